@@ -1,0 +1,718 @@
+"""A DeepSpeed training strategy in one file: seeding, distributed set-up, the ds_config for ZeRO 0-3,
+prepare/backward/step wrappers, rank helpers and checkpoints.
+
+It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Method
+names and signatures follow OpenRLHF's DeepspeedStrategy: a trainer written against that runs against this
+file after changing one import.
+
+Use it in a training script:
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], required=True)
+    parser.add_argument("--micro_train_batch_size", type=int, default=4)
+    parser.add_argument("--train_batch_size", type=int, default=32)
+    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes --local_rank
+    args = parser.parse_args()
+
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    optimizer = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.1)
+    model, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
+    for batch in strategy.setup_dataloader(dataset, strategy.micro_train_batch_size):
+        loss = loss_fn(model(batch))
+        strategy.backward(loss, model, optimizer)
+        strategy.optimizer_step(optimizer, model, scheduler)  # steps once every accumulated_gradient calls
+
+and launch it with any of:
+
+    deepspeed train.py --zero_stage 2                  # one process per GPU; one process on a CPU-only machine
+    deepspeed --num_gpus 2 train.py --zero_stage 2     # two processes (on CPU too, with the gloo backend)
+    torchrun --nproc_per_node 2 train.py --zero_stage 2
+    python train.py --zero_stage 2                     # one process, no launcher
+
+Batch sizes, as DeepSpeed counts them:
+
+    train_batch_size = micro_train_batch_size * world_size * accumulated_gradient
+
+micro_train_batch_size samples go through one forward/backward on one rank; train_batch_size samples, summed
+over all ranks and accumulation steps, make one optimizer step.
+"""
+
+import itertools
+import json
+import os
+import pickle
+import random
+import shutil
+import socket
+import tempfile
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.utils.data import DataLoader, DistributedSampler
+
+try:  # NumPy is optional: seeded and checkpointed when present
+    import numpy
+except ImportError:
+    numpy = None
+
+# -------------------------------------------------------------------------------------------------------------
+# Defaults. get_strategy() reads each flag once, falling back to these; the constructor uses the same constants,
+# so every default is written here and nowhere else.
+SEED = 42  # seeds Python's random, NumPy and torch; the same on every rank
+FULL_DETERMINISM = False  # True: only deterministic kernels, so a rerun is identical to the bit (slower)
+MAX_NORM = 1.0  # clip the global L2 norm of the gradients to this before each step; 0 turns clipping off
+MICRO_TRAIN_BATCH_SIZE = 1  # samples one rank puts through one forward/backward
+TRAIN_BATCH_SIZE = 128  # samples behind one optimizer step, summed over ranks and accumulation steps
+ZERO_STAGE = 2  # the constructor's default only: get_strategy() makes the run choose --zero_stage
+BF16 = False  # bfloat16 weights and activations; the optimizer keeps fp32 master weights
+ADAM_OFFLOAD = False  # keep Adam's states in CPU memory and step them there with DeepSpeedCPUAdam (ZeRO 1-3)
+OVERLAP_COMM = False  # reduce gradients while the backward pass still runs: faster, needs more buffer memory
+GRAD_ACCUM_DTYPE = None  # dtype gradients accumulate in ("fp32", "bf16", "fp16"); None: the weights' dtype
+LOCAL_RANK = -1  # -1: take the local rank from the launcher's LOCAL_RANK environment variable
+
+# Files a checkpoint folder holds besides DeepSpeed's own.
+RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which DeepSpeed does not save
+DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
+
+
+class DeepspeedStrategy:
+    """Everything a DeepSpeed trainer needs around its model: set-up, configuration, the training step's
+    wrappers, collective helpers and checkpoints. Build it with get_strategy(args)."""
+
+    def __init__(
+        self,
+        seed=SEED,
+        full_determinism=FULL_DETERMINISM,
+        max_norm=MAX_NORM,
+        micro_train_batch_size=MICRO_TRAIN_BATCH_SIZE,
+        train_batch_size=TRAIN_BATCH_SIZE,
+        zero_stage=ZERO_STAGE,
+        bf16=BF16,
+        args=None,
+        *,
+        adam_offload=ADAM_OFFLOAD,
+        overlap_comm=OVERLAP_COMM,
+        grad_accum_dtype=GRAD_ACCUM_DTYPE,
+        local_rank=LOCAL_RANK,
+    ) -> None:
+        # Check now everything that does not depend on the world size, so a bad flag fails on every rank before
+        # any process group exists. setup_distributed() checks the rest.
+        if not _is_int(seed):
+            raise ValueError(f"--seed {seed!r} must be a whole number")
+        if not (_is_int(zero_stage) and 0 <= zero_stage <= 3):
+            raise ValueError(
+                f"--zero_stage {zero_stage!r} is not a ZeRO stage: use 0 (plain data parallel), 1 (shard optimizer "
+                "states), 2 (and gradients) or 3 (and parameters)"
+            )
+        for flag, value in (
+            ("--micro_train_batch_size", micro_train_batch_size),
+            ("--train_batch_size", train_batch_size),
+        ):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{flag} {value!r} must be a whole number of samples >= 1")
+        for flag, value in (
+            ("--full_determinism", full_determinism),
+            ("--bf16", bf16),
+            ("--adam_offload", adam_offload),
+            ("--overlap_comm", overlap_comm),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} {value!r} must be True or False (an argparse store_true flag)")
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 <= max_norm < float("inf"):
+            raise ValueError(f"--max_norm {max_norm!r} must be a finite number >= 0 (0 turns gradient clipping off)")
+        if grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
+        weights_dtype = "bf16" if bf16 else "fp32"
+        if zero_stage == 0 and grad_accum_dtype not in (None, weights_dtype):
+            raise ValueError(
+                f"--grad_accum_dtype {grad_accum_dtype} needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed accumulates "
+                f"gradients in the weights' dtype ({weights_dtype}); drop the flag or raise the stage"
+            )
+        if adam_offload and zero_stage == 0:
+            raise ValueError(
+                "--adam_offload needs --zero_stage 1, 2 or 3: ZeRO-Offload moves each rank's shard of the optimizer to "
+                "the CPU, and stage 0 does not shard the optimizer"
+            )
+        if not _is_int(local_rank) or local_rank < -1:
+            raise ValueError(f"--local_rank {local_rank!r} must be -1 (read LOCAL_RANK) or a device index >= 0")
+
+        self.args = args  # the trainer's own flags, kept for trainers that read strategy.args
+        self.seed = seed
+        self.full_determinism = full_determinism
+        self.max_norm = max_norm
+        self.micro_train_batch_size = micro_train_batch_size
+        self.train_batch_size = train_batch_size
+        self.stage = zero_stage
+        self.bf16 = bf16
+        self.adam_offload = adam_offload
+        self.overlap_comm = overlap_comm
+        self.grad_accum_dtype = grad_accum_dtype
+        self.local_rank = local_rank  # setup_distributed() replaces -1 with the launcher's value
+        self.world_size = None  # known after setup_distributed()
+        self.accumulated_gradient = None  # micro-steps per optimizer step, known after setup_distributed()
+        self.is_rlhf = False
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Seeding and distributed set-up
+
+    def set_seed(self, seed: int) -> None:
+        """Seed every random generator a training step can draw from, identically on every rank (so every rank
+        builds the same initial model)."""
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed)
+        torch.manual_seed(seed)  # the CPU generator and those of every visible accelerator
+
+    def setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
+        """Seed, pick this rank's device, join the process group and derive the accumulation steps.
+
+        Works under the deepspeed launcher, torchrun and plain python (one process). Calling it again in the
+        same process reseeds and reuses the existing process group."""
+        self.set_seed(self.seed)
+        if self.full_determinism:
+            # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable.
+            # It is read when the first cuBLAS handle is made, which is why this runs before any CUDA work.
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+            # flash-attention's backward adds with atomics unless told not to (read by flash-attn and transformers).
+            os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+            torch.use_deterministic_algorithms(True)  # raise instead of silently running a nondeterministic kernel
+            torch.backends.cudnn.deterministic = True  # only deterministic convolution algorithms
+            torch.backends.cudnn.benchmark = False  # no timing-based choice of algorithm, which varies run to run
+
+        # Launchers export the rendezvous variables. Without one, describe a one-process world ourselves, or
+        # deepspeed.init_distributed() goes looking for MPI. MPI launchers (mpirun) set their own variables.
+        if not any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+            for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(name, value)
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+        # The deepspeed launcher passes --local_rank; it takes precedence over the environment.
+        if self.local_rank != -1:
+            os.environ["LOCAL_RANK"] = str(self.local_rank)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
+
+        if not dist.is_initialized():
+            # Check the batch sizes against the launcher's world size before the rendezvous: a rank that raised
+            # inside it would leave the others waiting for the whole timeout.
+            if "WORLD_SIZE" in os.environ:
+                self._set_world_size(int(os.environ["WORLD_SIZE"]))
+            # nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory all-reduce for ranks on one host.
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+        self._set_world_size(dist.get_world_size())
+
+    def _set_world_size(self, world_size: int) -> None:
+        samples_per_micro_step = self.micro_train_batch_size * world_size
+        if self.train_batch_size % samples_per_micro_step:
+            lower = self.train_batch_size // samples_per_micro_step * samples_per_micro_step
+            options = " or ".join(str(n) for n in (lower, lower + samples_per_micro_step) if n > 0)
+            raise ValueError(
+                f"--train_batch_size {self.train_batch_size} must be a multiple of --micro_train_batch_size * "
+                f"world_size = {self.micro_train_batch_size} * {world_size} = {samples_per_micro_step} "
+                f"(try {options})"
+            )
+        self.world_size = world_size
+        self.accumulated_gradient = self.train_batch_size // samples_per_micro_step
+
+    # ---------------------------------------------------------------------------------------------------------
+    # DeepSpeed configuration
+
+    def get_ds_train_config(self, is_actor: bool = False) -> dict:
+        """The ds_config of a model that trains. is_actor is accepted for OpenRLHF's callers and changes nothing."""
+        zero = {
+            # 0: every rank holds everything (plain data parallel); 1: shard the optimizer states over ranks;
+            # 2: also shard the gradients; 3: also shard the parameters, gathering each layer when it runs.
+            "stage": self.stage,
+            # ZeRO-Offload: keep this rank's optimizer shard in CPU memory and run Adam there (DeepSpeedCPUAdam).
+            "offload_optimizer": {"device": "cpu" if self.adam_offload else "none", "pin_memory": True},
+            # ZeRO 3 only: let save_model() gather the full weights on rank 0 instead of saving shards.
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+        if self.overlap_comm:
+            zero["overlap_comm"] = True  # reduce gradient buckets while the backward pass is still running
+            zero["contiguous_gradients"] = True  # copy gradients into one flat buffer as they are produced
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
+            # Samples per optimizer step; DeepSpeed derives the accumulation steps as this / (micro * world size).
+            "train_batch_size": self.train_batch_size,
+            "gradient_clipping": self.max_norm,  # clip the global gradient L2 norm to this; 0 disables clipping
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.bf16},  # bfloat16 weights and activations, fp32 master weights for the update
+            "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off: the trainer reports progress
+            "wall_clock_breakdown": False,  # no per-phase timers, which synchronise the device to read time
+        }
+        if self.grad_accum_dtype is not None:
+            config["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}  # dtype gradients are summed in
+        return config
+
+    def get_ds_eval_config(self, offload: bool = False) -> dict:
+        """The ds_config of a frozen model (a reference or reward model): no optimizer, no gradients.
+
+        Only ZeRO 3's parameter sharding saves memory without an optimizer, so the stage is 3 when training uses
+        3 and 0 otherwise. offload keeps the weights in CPU memory between uses; it needs ZeRO 3 and is ignored
+        below it, where every rank holds the whole model."""
+        zero = {
+            "stage": 3 if self.stage == 3 else 0,  # shard the weights only when training does
+            "stage3_gather_16bit_weights_on_model_save": True,  # let save_model() gather full weights
+        }
+        if offload and self.stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}  # ZeRO 3: fetch weights from CPU per layer
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # DeepSpeed checks batch sizes even here
+            "train_batch_size": self.train_batch_size,  # likewise; an eval engine never steps
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.bf16},  # the same weight dtype as the trained models
+            "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off
+            "wall_clock_breakdown": False,  # no per-phase timers
+        }
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Optimizer, prepare, backward and step
+
+    def create_optimizer(self, model: torch.nn.Module, **kwargs) -> torch.optim.Optimizer:
+        """AdamW over two parameter groups: weight decay on weight matrices and embeddings, none on biases and
+        norm weights (every parameter with fewer than two dimensions). kwargs go to the optimizer (lr, betas,
+        eps, weight_decay).
+
+        adam_offload: DeepSpeedCPUAdam, a vectorised CPU Adam (compiled on first use). CUDA: torch's fused AdamW,
+        one kernel for all parameters. Elsewhere (CPU): torch's AdamW."""
+        weight_decay = kwargs.pop("weight_decay", 0.0)
+        params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        if self.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        if get_accelerator().device_name() == "cuda":
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def prepare(self, *models_or_model_optim_pairs, is_rlhf: bool = False):
+        """Wrap models in DeepSpeed engines. A (model, optimizer, scheduler) tuple trains: it becomes
+        (engine, optimizer, scheduler) with the train config, and DeepSpeed steps the scheduler (which may be
+        None) once per optimizer step. A bare model becomes an eval engine with the eval config. One argument
+        returns one result; several return a list in the same order."""
+        if self.world_size is None:
+            raise RuntimeError("call strategy.setup_distributed() before strategy.prepare()")
+        self.is_rlhf = is_rlhf
+        prepared = []
+        for item in models_or_model_optim_pairs:
+            if isinstance(item, tuple):
+                if len(item) != 3:
+                    raise ValueError(
+                        f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
+                        "pass None as the scheduler if there is none"
+                    )
+                prepared.append(self._init_train_engine(*item) if item[0] is not None else (None, None, None))
+            else:
+                prepared.append(self._init_eval_engine(item) if item is not None else None)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def _init_train_engine(self, model, optimizer, scheduler):
+        if optimizer is None:
+            raise ValueError(
+                "prepare((model, optimizer, scheduler)) trains and needs an optimizer (strategy.create_optimizer); "
+                "pass the bare model for an eval engine"
+            )
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
+        )
+        return engine, optimizer, scheduler
+
+    def _init_eval_engine(self, model):
+        # OpenRLHF marks a frozen model whose weights may live in CPU memory with an `_offload` attribute.
+        engine, *_ = deepspeed.initialize(
+            model=model, config=self.get_ds_eval_config(getattr(model, "_offload", False))
+        )
+        return engine
+
+    def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
+        """Backward through the engine: it divides the loss by the accumulation steps and, at ZeRO 2 and 3,
+        reduces the gradients to their owning ranks."""
+        model.backward(loss)
+
+    def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
+        """One micro-step of the engine. On the last micro-step of an accumulation it averages the gradients
+        over ranks, clips them to max_norm, steps the optimizer and the scheduler, and zeroes the gradients."""
+        model.step()
+
+    @staticmethod
+    def _unwrap_model(model) -> torch.nn.Module:
+        return model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Rank helpers and collectives
+
+    def print(self, *msg) -> None:
+        """print() on global rank 0 only."""
+        if self.is_rank_0():
+            print(*msg)
+
+    def is_rank_0(self) -> bool:
+        return self.get_rank() == 0
+
+    def get_rank(self) -> int:
+        """The global rank; 0 before the process group exists."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def all_reduce(self, data, op: str = "mean"):
+        """Reduce a tensor, a Python number or a dict of them over all ranks with "mean", "max" or "sum".
+
+        Returns the same kind it was given (a tensor on the tensor's own device, a number, a dict) and leaves
+        the caller's tensors untouched."""
+        if op not in ("mean", "max", "sum"):
+            raise ValueError(f"all_reduce op {op!r} must be 'mean', 'max' or 'sum'")
+        if isinstance(data, dict):
+            return {key: self.all_reduce(value, op) for key, value in data.items()}
+        if not isinstance(data, torch.Tensor):
+            # float64 holds every int below 2**53 exactly, so counts survive the round trip.
+            reduced = self.all_reduce(torch.tensor(data, dtype=torch.float64), op).item()
+            return int(reduced) if isinstance(data, int) and op != "mean" else reduced
+        self._require_process_group("all_reduce")
+        tensor = data.detach().to(get_accelerator().current_device_name(), copy=True)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            tensor = tensor / self.world_size
+        return tensor.to(data.device)
+
+    def all_gather(self, data):
+        """Gather a tensor, a Python number or a dict of them from all ranks, concatenated along the first
+        dimension in rank order (a number or 0-d tensor becomes a tensor of world_size elements)."""
+        if isinstance(data, dict):
+            return {key: self.all_gather(value) for key, value in data.items()}
+        if not isinstance(data, torch.Tensor):
+            data = torch.tensor([data], dtype=torch.float64 if isinstance(data, float) else None)
+        self._require_process_group("all_gather")
+        local = data.detach().to(get_accelerator().current_device_name()).reshape(-1, *data.shape[1:])
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        return torch.cat(gathered).to(data.device)
+
+    def _require_process_group(self, what: str) -> None:
+        if self.world_size is None or not dist.is_initialized():
+            raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
+
+    def setup_dataloader(
+        self,
+        dataset,
+        batch_size: int,
+        pin_memory: bool = False,
+        shuffle: bool = True,
+        collate_fn=None,
+        drop_last: bool = True,
+        sampler=None,
+        consumed_samples: int = 0,
+    ) -> DataLoader:
+        """A DataLoader over this rank's shard of dataset: each rank sees a disjoint slice (with drop_last; without
+        it the sampler pads the last slices with repeats), shuffled by the strategy's seed and the epoch.
+        consumed_samples, counted over all ranks, skips that many samples at the start of the epoch, so a resumed
+        run continues where it stopped. Call loader.sampler.set_epoch(epoch) at the start of each later epoch."""
+        if sampler is None:
+            sampler = ResumableDistributedSampler(
+                dataset,
+                num_replicas=self.world_size or 1,
+                rank=self.get_rank(),
+                shuffle=shuffle,
+                seed=self.seed,
+                drop_last=drop_last,
+                consumed_samples=consumed_samples,
+            )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift
+            # every random number after it (dropout masks), so a resumed run would diverge.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Checkpoints (to resume training) and model weights (to use the result)
+
+    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
+        """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
+        (your loop's counters), and every rank's random generators. All ranks must call it.
+
+        The folder save_dir/tag (default tag: global_step<N>) is marked complete only once every rank has
+        written, and only then does save_dir/latest point to it, so a crash while saving leaves the previous
+        checkpoint usable. Afterwards the oldest checkpoints are deleted until at most max_num of them, and at most
+        max_mem GB, remain; the new one and the one 'latest' names are never deleted, nor anything in save_dir
+        that is not a checkpoint of ours."""
+        if not _is_int(max_num) or max_num < 1:
+            raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
+        tag = str(tag) if tag is not None else f"global_step{model.global_steps}"
+        ckpt_dir = os.path.join(save_dir, tag)
+        # Each node's local rank 0 writes the shared markers: without a shared filesystem every node has its own.
+        writes_markers = self.local_rank == 0
+        if writes_markers:
+            # Saving over an existing tag: it stops counting as complete until this save has finished.
+            os.makedirs(ckpt_dir, exist_ok=True)
+            _remove_if_present(os.path.join(ckpt_dir, DONE_FILE))
+        dist.barrier()
+
+        torch.save(_get_rng_states(), os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank())))
+        model.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        dist.barrier()  # every rank's files are on disk
+
+        if writes_markers:
+            _write_atomically(os.path.join(ckpt_dir, DONE_FILE), json.dumps({"world_size": self.world_size}))
+            if save_latest:
+                _write_atomically(os.path.join(save_dir, "latest"), tag)
+        dist.barrier()
+        self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+
+    def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
+        # Rank 0 decides and every rank learns the same list; each node's local rank 0 deletes its copy.
+        doomed = []
+        if self.is_rank_0():
+            protected = {keep, _read_latest(save_dir)}
+            ours = [
+                name
+                for name in os.listdir(save_dir)
+                if os.path.isfile(os.path.join(save_dir, name, RNG_FILE.format(rank=0)))
+            ]
+            ours.sort(key=lambda name: os.path.getmtime(os.path.join(save_dir, name, RNG_FILE.format(rank=0))))
+            sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
+            count, total = len(ours), sum(sizes.values())
+            for name in ours:  # oldest first
+                if count <= max_num and total <= max_bytes:
+                    break
+                if name not in protected:
+                    doomed.append(name)
+                    count, total = count - 1, total - sizes[name]
+        box = [doomed]
+        dist.broadcast_object_list(box, src=0)
+        if self.local_rank == 0:
+            for name in box[0]:
+                try:
+                    shutil.rmtree(os.path.join(save_dir, name))
+                except FileNotFoundError:  # another node removed it from a shared filesystem first
+                    pass
+        dist.barrier()
+
+    def load_ckpt(
+        self,
+        model,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
+        """Load a checkpoint written by save_ckpt (the one save_dir/latest names when tag is None) into a
+        prepared engine and restore this rank's random generators. Returns (load_path, client_state).
+
+        A missing or incomplete checkpoint raises FileNotFoundError on every rank, naming the folder."""
+        problem = self._checkpoint_problem(load_dir, tag, load_module_only)
+        problems = [None] * self.world_size
+        dist.all_gather_object(problems, problem)  # every rank raises if any rank cannot load
+        first = next((p for p in problems if p is not None), None)
+        if first is not None:
+            raise FileNotFoundError(first)
+        tag = tag if tag is not None else _read_latest(load_dir)
+
+        load_path, client_state = model.load_checkpoint(
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        rng_file = os.path.join(load_dir, tag, RNG_FILE.format(rank=self.get_rank()))
+        if os.path.isfile(rng_file):
+            _set_rng_states(torch.load(rng_file, weights_only=True))
+        return load_path, client_state
+
+    def _checkpoint_problem(self, load_dir, tag, load_module_only):
+        """Why this rank cannot load the checkpoint, or None."""
+        if tag is None:
+            tag = _read_latest(load_dir)
+            if tag is None:
+                return f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
+        ckpt_dir = os.path.join(load_dir, str(tag))
+        try:
+            with open(os.path.join(ckpt_dir, DONE_FILE)) as f:
+                saved_world_size = json.load(f)["world_size"]
+        except (OSError, ValueError, KeyError):
+            return (
+                f"checkpoint {ckpt_dir} is missing or incomplete (no {DONE_FILE}: the run may have stopped while "
+                "saving it); load an earlier tag"
+            )
+        if saved_world_size != self.world_size and not load_module_only:
+            return (
+                f"checkpoint {ckpt_dir} was saved by {saved_world_size} ranks and this run has {self.world_size}: "
+                "resume with the same number of ranks, or pass load_module_only=True for the weights alone"
+            )
+        return None
+
+    def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
+        """Write the full weights, gathered from every rank at ZeRO 3, to output_dir: pytorch_model.bin (a state
+        dict) for a plain module, or through model.save_pretrained(output_dir, state_dict=...) when it has one; a
+        tokenizer with save_pretrained is saved beside it. Rank 0 writes each file to a temporary name and renames
+        it, so no reader sees a partial file. All ranks must call it; all return once the files are complete."""
+        module = self._unwrap_model(model)
+        if isinstance(model, deepspeed.DeepSpeedEngine) and model.zero_optimization_partition_weights():
+            state_dict = model._zero3_consolidated_16bit_state_dict()  # collective: full weights on rank 0
+        elif self.is_rank_0():
+            # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
+            state_dict = {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
+
+        if self.is_rank_0():
+            os.makedirs(output_dir, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)  # same filesystem, so renames are atomic
+            try:
+                if hasattr(module, "save_pretrained"):
+                    module.save_pretrained(staging, state_dict=state_dict, **kwargs)
+                else:
+                    torch.save(state_dict, os.path.join(staging, "pytorch_model.bin"))
+                if hasattr(tokenizer, "save_pretrained"):
+                    tokenizer.save_pretrained(staging)
+                for name in os.listdir(staging):
+                    os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
+        """Load a state dict file into model (a plain module or an engine). The file is read with
+        weights_only=True: one that carries Python objects beyond tensors is refused, and its code never runs."""
+        try:
+            state_dict = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"refusing to load {path}: it holds Python objects besides tensors, and unpickling them could run "
+                f"code. Load only weights saved as a state dict (save_model writes one).\n{error}"
+            ) from None
+        if key_replace_fn is not None:
+            state_dict = key_replace_fn(state_dict)
+        module = self._unwrap_model(model)
+        if isinstance(model, deepspeed.DeepSpeedEngine) and model.zero_optimization_partition_weights():
+            # ZeRO 3: gather each full parameter, load into it, and let rank 0's values go back to every shard.
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                module.load_state_dict(state_dict, strict=strict)
+        else:
+            module.load_state_dict(state_dict, strict=strict)
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """torch's DistributedSampler that can start an epoch part-way: the first consumed_samples samples of the
+    epoch, counted over all ranks, are skipped, each rank skipping its own share."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle, seed, drop_last, consumed_samples=0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.set_epoch(0, consumed_samples)
+
+    def set_epoch(self, epoch: int, consumed_samples: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = consumed_samples // self.num_replicas
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_rng_states() -> dict:
+    # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if numpy is not None:
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        states["numpy"] = (kind, keys.tolist(), pos, has_gauss, cached)
+    if get_accelerator().device_name() != "cpu":
+        states["device"] = get_accelerator().get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if numpy is not None and "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    if "device" in states:
+        get_accelerator().set_rng_state(states["device"])
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_latest(save_dir: str):
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _remove_if_present(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+# -------------------------------------------------------------------------------------------------------------
+
+
+def get_strategy(args) -> DeepspeedStrategy:
+    """Build the strategy from a trainer's flags: any object with attributes, such as an argparse.Namespace.
+
+    This is the one place the strategy reads flags. A flag missing from args takes its default from the top of
+    this file, except --zero_stage, which every run must choose."""
+    if getattr(args, "zero_stage", None) is None:
+        raise ValueError(
+            "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "
+            "and run with, for example, --zero_stage 2"
+        )
+    return DeepspeedStrategy(
+        seed=getattr(args, "seed", SEED),
+        full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),
+        max_norm=getattr(args, "max_norm", MAX_NORM),
+        micro_train_batch_size=getattr(args, "micro_train_batch_size", MICRO_TRAIN_BATCH_SIZE),
+        train_batch_size=getattr(args, "train_batch_size", TRAIN_BATCH_SIZE),
+        zero_stage=args.zero_stage,
+        bf16=getattr(args, "bf16", BF16),
+        args=args,
+        adam_offload=getattr(args, "adam_offload", ADAM_OFFLOAD),
+        overlap_comm=getattr(args, "overlap_comm", OVERLAP_COMM),
+        grad_accum_dtype=getattr(args, "grad_accum_dtype", GRAD_ACCUM_DTYPE),
+        local_rank=getattr(args, "local_rank", LOCAL_RANK),
+    )

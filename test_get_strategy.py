@@ -1,0 +1,1139 @@
+"""Tests for get_strategy.py and train_example.py, read as a specification.
+
+Run them with:  python -m pytest -q test_get_strategy.py
+
+Every claim is checked against an independent reference (plain single-process PyTorch, or a hand computation)
+with real DeepSpeed on the CPU (gloo). The multi-process claims run in few launches, each sharing one process
+group across many cases: this file is also the worker those launches start
+(python -m torch.distributed.run --nproc_per_node 2 test_get_strategy.py --worker NAME OUT_DIR).
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+
+from get_strategy import DeepspeedStrategy, get_strategy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON = sys.executable
+DEEPSPEED = os.path.join(os.path.dirname(PYTHON), "deepspeed")  # the launcher script installed beside python
+# Variables a launcher sets; a child process must not inherit this process's values.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK")
+
+# The small training problem the multi-process cases share with their single-process reference.
+# The first weight (FEATURES x HIDDEN) is larger than DeepSpeed's stage3_param_persistence_threshold (1e5
+# elements), so ZeRO 3 really shards it; the smaller parameters stay whole on every rank, as in a real model.
+FEATURES, HIDDEN, OUTPUTS = 8, 16384, 4
+MICRO, WORLD, ACCUM = 2, 2, 2  # micro batch, ranks, accumulation steps
+TRAIN = MICRO * WORLD * ACCUM  # samples per optimizer step
+STEPS = 4
+MAX_NORM = 0.5  # small enough that every step clips (the reference checks it)
+# Adam divides by the root of the squared gradient, so an element whose gradient nearly cancels amplifies
+# float rounding: two plain-PyTorch runs that only sum the micro-batches in another order end 9e-5 apart at
+# lr 0.05, eps 1e-8, and 3e-6 apart at these values (measured). The tests compare against 1e-5.
+LR, EPS, WEIGHT_DECAY, BETAS = 0.01, 1e-6, 0.1, (0.9, 0.99)
+
+
+def make_model(dropout=0.0, init_seed=1234):
+    torch.manual_seed(init_seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN),
+        torch.nn.LayerNorm(HIDDEN),
+        torch.nn.GELU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(HIDDEN, OUTPUTS),
+    )
+
+
+def make_dataset(samples=64):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(samples, FEATURES, generator=g)
+    y = x @ torch.randn(FEATURES, OUTPUTS, generator=g) + 0.1 * torch.randn(samples, OUTPUTS, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def lr_lambda(step):
+    return 1.0 / (1.0 + step)  # a schedule that changes every step, so a scheduler stepped too often shows
+
+
+def reference_training(steps=STEPS):
+    """Plain single-process PyTorch computing the same global batches: returns final parameters and the
+    gradient norms before clipping."""
+    model = make_model()
+    decay = [model[0].weight, model[4].weight]  # named by hand: the matrices
+    no_decay = [model[0].bias, model[1].weight, model[1].bias, model[4].bias]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    x, y = make_dataset().tensors
+    norms = []
+    for step in range(steps):
+        # Without shuffling, rank r's shard is samples r, r + WORLD, ...; together the ranks' micro-batches of
+        # one step are the contiguous samples [step * TRAIN, (step + 1) * TRAIN).
+        batch = slice(step * TRAIN, (step + 1) * TRAIN)
+        optimizer.zero_grad()
+        F.mse_loss(model(x[batch]), y[batch]).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        scheduler.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+
+
+def launch(cmd, timeout, env=None):
+    """Run a command from this folder with a clean launcher environment; returns (returncode, output, seconds)."""
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    clean.update(PYTHONUNBUFFERED="1", **(env or {}))
+    start = time.monotonic()
+    done = subprocess.run(
+        cmd, cwd=HERE, env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    return done.returncode, done.stdout, time.monotonic() - start
+
+
+def torchrun(*args, nproc=WORLD):
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_results(out_dir, rank=0):
+    return torch.load(os.path.join(out_dir, f"results_rank{rank}.pt"), weights_only=True)
+
+
+# =============================================================================================================
+# Single process: flags, validation, ds_config, seeding
+
+
+@pytest.fixture
+def clean_launch_env(monkeypatch):
+    """As under plain `python`: no launcher variables. Whatever setup_distributed sets is undone afterwards."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "FLASH_ATTENTION_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_get_strategy_takes_documented_defaults_for_flags_missing_from_args():
+    strategy = get_strategy(argparse.Namespace(zero_stage=3))
+    assert strategy.seed == 42
+    assert strategy.full_determinism is False
+    assert strategy.max_norm == 1.0
+    assert strategy.micro_train_batch_size == 1
+    assert strategy.train_batch_size == 128
+    assert strategy.stage == 3
+    assert strategy.bf16 is False
+    assert strategy.adam_offload is False
+    assert strategy.overlap_comm is False
+    assert strategy.grad_accum_dtype is None
+    assert strategy.local_rank == -1
+
+
+def test_get_strategy_reads_every_flag_from_args():
+    args = argparse.Namespace(
+        seed=7,
+        full_determinism=True,
+        max_norm=0.0,
+        micro_train_batch_size=4,
+        train_batch_size=64,
+        zero_stage=1,
+        bf16=True,
+        adam_offload=True,
+        overlap_comm=True,
+        grad_accum_dtype="fp32",
+        local_rank=0,
+        learning_rate=3e-4,
+    )
+    strategy = get_strategy(args)
+    assert (strategy.seed, strategy.full_determinism, strategy.max_norm) == (7, True, 0.0)
+    assert (strategy.micro_train_batch_size, strategy.train_batch_size, strategy.stage) == (4, 64, 1)
+    assert (strategy.bf16, strategy.adam_offload, strategy.overlap_comm) == (True, True, True)
+    assert (strategy.grad_accum_dtype, strategy.local_rank) == ("fp32", 0)
+    assert strategy.args is args  # the trainer's other flags stay reachable
+
+
+def test_get_strategy_requires_zero_stage():
+    with pytest.raises(ValueError, match="--zero_stage is required"):
+        get_strategy(argparse.Namespace(train_batch_size=8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(zero_stage=4), "--zero_stage"),
+        (dict(zero_stage=-1), "--zero_stage"),
+        (dict(zero_stage="2"), "--zero_stage"),
+        (dict(zero_stage=True), "--zero_stage"),
+        (dict(zero_stage=1.0), "--zero_stage"),
+        (dict(bf16="false"), "--bf16"),
+        (dict(full_determinism=1), "--full_determinism"),
+        (dict(adam_offload=None), "--adam_offload"),
+        (dict(overlap_comm="yes"), "--overlap_comm"),
+        (dict(micro_train_batch_size=0), "--micro_train_batch_size"),
+        (dict(micro_train_batch_size=1.5), "--micro_train_batch_size"),
+        (dict(train_batch_size=0), "--train_batch_size"),
+        (dict(max_norm=-0.1), "--max_norm"),
+        (dict(max_norm=float("nan")), "--max_norm"),
+        (dict(max_norm="1.0"), "--max_norm"),
+        (dict(seed="42"), "--seed"),
+        (dict(grad_accum_dtype="float32"), "--grad_accum_dtype"),
+        (dict(zero_stage=0, bf16=True, grad_accum_dtype="fp32"), "--grad_accum_dtype"),
+        (dict(zero_stage=0, adam_offload=True), "--adam_offload"),
+        (dict(local_rank=-2), "--local_rank"),
+    ],
+)
+def test_invalid_value_raises_value_error_naming_its_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        DeepspeedStrategy(**{"zero_stage": 2, **kwargs})
+
+
+def test_max_norm_zero_is_valid_and_turns_clipping_off():
+    assert DeepspeedStrategy(max_norm=0, zero_stage=2).get_ds_train_config()["gradient_clipping"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_train_config_for_each_stage(stage):
+    strategy = DeepspeedStrategy(max_norm=0.5, micro_train_batch_size=2, train_batch_size=16, zero_stage=stage)
+    expected = {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 16,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": "none", "pin_memory": True},
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "bf16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    config = strategy.get_ds_train_config()
+    assert config == expected
+    assert json.loads(json.dumps(config)) == expected  # plain JSON, as a ds_config file would hold
+
+
+def test_train_config_with_every_option_on():
+    strategy = DeepspeedStrategy(
+        max_norm=1.0,
+        micro_train_batch_size=1,
+        train_batch_size=8,
+        zero_stage=3,
+        bf16=True,
+        adam_offload=True,
+        overlap_comm=True,
+        grad_accum_dtype="fp32",
+    )
+    assert strategy.get_ds_train_config(is_actor=True) == {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": 8,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "bf16": {"enabled": True},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
+
+
+@pytest.mark.parametrize("stage, eval_stage", [(0, 0), (1, 0), (2, 0), (3, 3)])
+def test_eval_config_shards_weights_only_when_training_uses_zero_3(stage, eval_stage):
+    strategy = DeepspeedStrategy(micro_train_batch_size=2, train_batch_size=16, zero_stage=stage, bf16=True)
+    expected_zero = {"stage": eval_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if stage == 3:
+        expected_zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    assert strategy.get_ds_eval_config(offload=True) == {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 16,
+        "zero_optimization": expected_zero,
+        "bf16": {"enabled": True},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def test_create_optimizer_decays_matrices_but_not_biases_or_norm_weights():
+    model = make_model()
+    optimizer = DeepspeedStrategy(zero_stage=2).create_optimizer(model, lr=1e-3, weight_decay=0.1)
+    assert isinstance(optimizer, torch.optim.AdamW)  # on CPU without --adam_offload
+    named = {id(p): name for name, p in model.named_parameters()}
+    groups = [({named[id(p)] for p in g["params"]}, g["weight_decay"]) for g in optimizer.param_groups]
+    assert groups == [({"0.weight", "4.weight"}, 0.1), ({"0.bias", "1.weight", "1.bias", "4.bias"}, 0.0)]
+
+
+def test_usage_from_the_docstring_runs_under_plain_python(clean_launch_env):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero_stage", type=int)
+    parser.add_argument("--micro_train_batch_size", type=int)
+    parser.add_argument("--train_batch_size", type=int)
+    args = parser.parse_args(["--zero_stage", "2", "--micro_train_batch_size", "2", "--train_batch_size", "8"])
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    assert (strategy.world_size, strategy.accumulated_gradient) == (1, 4)  # 8 = 2 * 1 * 4
+    assert (strategy.get_rank(), strategy.is_rank_0()) == (0, True)
+
+
+def test_setup_distributed_twice_reseeds_and_draws_the_same_numbers(clean_launch_env):
+    strategy = get_strategy(argparse.Namespace(zero_stage=0, seed=7, train_batch_size=4))
+
+    def draw():
+        strategy.setup_distributed()
+        return random.random(), numpy.random.rand(), torch.rand(3)
+
+    first, second = draw(), draw()
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2])
+    other = get_strategy(argparse.Namespace(zero_stage=0, seed=8, train_batch_size=4))
+    other.setup_distributed()
+    assert torch.rand(3).tolist() != first[2].tolist()
+
+
+def test_batch_size_not_divisible_fails_before_any_process_group(clean_launch_env):
+    strategy = get_strategy(argparse.Namespace(zero_stage=2, micro_train_batch_size=2, train_batch_size=5))
+    with pytest.raises(ValueError, match=r"--train_batch_size 5 must be a multiple of .* = 2 \(try 4 or 6\)"):
+        strategy.setup_distributed()
+
+
+def test_full_determinism_turns_on_torch_and_library_switches(clean_launch_env):
+    strategy = get_strategy(argparse.Namespace(zero_stage=0, full_determinism=True, train_batch_size=1))
+    try:
+        strategy.setup_distributed()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+
+
+def test_load_model_refuses_a_file_that_carries_code(tmp_path):
+    marker = tmp_path / "payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))  # would create the marker file if unpickled
+
+    path = tmp_path / "evil.bin"
+    torch.save({"0.weight": torch.zeros(HIDDEN, FEATURES), "extra": Payload()}, path)
+    with pytest.raises(ValueError, match="refusing to load .*evil.bin"):
+        DeepspeedStrategy(zero_stage=0).load_model(make_model(), str(path))
+    assert not marker.exists()
+
+
+def test_load_model_reads_a_state_dict_into_a_plain_module(tmp_path):
+    source, target = make_model(init_seed=1), make_model(init_seed=2)
+    torch.save({"layer." + k: v for k, v in source.state_dict().items()}, tmp_path / "w.bin")
+    strip = lambda sd: {k.removeprefix("layer."): v for k, v in sd.items()}  # noqa: E731
+    DeepspeedStrategy(zero_stage=0).load_model(target, str(tmp_path / "w.bin"), strict=True, key_replace_fn=strip)
+    assert all(
+        torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True)
+    )
+
+
+# =============================================================================================================
+# Two processes: one launch of the "core" worker runs every case below in one process group.
+
+
+@pytest.fixture(scope="module")
+def crash_run(tmp_path_factory):
+    """A deepspeed-launcher run whose rank 1 is killed while saving its second checkpoint."""
+    out = tmp_path_factory.mktemp("crash")
+    cmd = [
+        PYTHON,
+        DEEPSPEED,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "test_get_strategy.py",
+        "--worker",
+        "crash",
+        str(out),
+    ]
+    try:
+        returncode, output = launch(cmd, timeout=60)[:2]
+    except subprocess.TimeoutExpired as expired:
+        returncode, output = None, expired.output or ""  # still running after a minute: the test below fails
+    return out, returncode, output
+
+
+@pytest.fixture(scope="module")
+def core_run(tmp_path_factory, crash_run):
+    out = tmp_path_factory.mktemp("core")
+    returncode, output, _ = launch(
+        torchrun("test_get_strategy.py", "--worker", "core", str(out), str(crash_run[0])), timeout=600
+    )
+    assert returncode == 0, output[-5000:]
+    results = [read_results(out, rank) for rank in range(WORLD)]
+    return results, out
+
+
+def case(core_run, name):
+    results, _ = core_run
+    for rank, result in enumerate(results):
+        assert name not in result["errors"], f"rank {rank} failed in case {name}:\n{result['errors'][name]}"
+    return [result[name] for result in results]
+
+
+def test_reference_clips_every_step_and_moves_the_weights_far_beyond_the_tolerance():
+    final, norms = reference_training()
+    assert min(norms) > MAX_NORM  # so the equality below also checks DeepSpeed's clipping
+    initial = dict(make_model().named_parameters())
+    assert all((final[name] - initial[name]).abs().max() > 100 * 1e-5 for name in final)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_trains_exactly_like_plain_pytorch(core_run, stage):
+    expected, _ = reference_training()
+    for got in case(core_run, f"train_stage{stage}"):
+        assert got["global_steps"] == STEPS
+        assert got["optimizer"] == (
+            "AdamW" if stage == 0 else "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
+        )
+        assert got["lr"] == pytest.approx(LR * lr_lambda(STEPS))  # the scheduler stepped once per optimizer step
+        assert got["partitioned"] == (stage == 3)  # ZeRO 3 holds only a shard of the large weight
+        for name, value in expected.items():
+            assert (got["params"][name] - value).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_adam_offload_steps_on_cpu_adam_and_matches_plain_pytorch(core_run, stage):
+    expected, _ = reference_training()
+    for got in case(core_run, f"offload_stage{stage}"):
+        assert got["basic_optimizer"] == "DeepSpeedCPUAdam"
+        for name, value in expected.items():
+            assert (got["params"][name] - value).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_training_lowers_the_loss(core_run, stage):
+    for got in case(core_run, f"bf16_stage{stage}"):
+        assert got["param_dtype"] == "torch.bfloat16"
+        first_epoch, last_epoch = got["epoch_losses"][0], got["epoch_losses"][-1]
+        assert last_epoch < 0.5 * first_epoch, got["epoch_losses"]
+
+
+def test_all_reduce_and_all_gather_return_what_hand_computation_gives(core_run):
+    for rank, got in enumerate(case(core_run, "collectives")):
+        # rank 0 contributes [1, 2], rank 1 contributes [3, 4]
+        assert torch.equal(got["mean"], torch.tensor([2.0, 3.0]))
+        assert torch.equal(got["max"], torch.tensor([3.0, 4.0]))
+        assert torch.equal(got["sum"], torch.tensor([4.0, 6.0]))
+        assert torch.equal(got["input_after"], torch.tensor([1.0, 2.0]) + 2 * rank)  # the caller's tensor is untouched
+        assert got["int_sum"] == 2**40 + 1 and isinstance(got["int_sum"], int)  # rank r gives 2**40 * (1 - r) + r
+        assert got["float_mean"] == 0.75  # 0.5 and 1.0
+        assert got["dict"] == {"loss": 1.5, "tokens": 2**40 + 1}
+        assert torch.equal(got["gather_tensor"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]).reshape(2, 2))
+        assert torch.equal(got["gather_number"], torch.tensor([0.5, 1.0], dtype=torch.float64))
+        assert torch.equal(got["gather_scalar"], torch.tensor([0, 1]))
+
+
+def test_dataloader_gives_each_rank_a_disjoint_seeded_shard_and_skips_consumed_samples(core_run):
+    ranks = case(core_run, "dataloader")
+    epoch0 = [r["epoch0"] for r in ranks]
+    assert sorted(epoch0[0] + epoch0[1]) == list(range(20))  # disjoint and complete
+    assert epoch0[0] + epoch0[1] != list(range(0, 20, 2)) + list(range(1, 20, 2))  # shuffled
+    for r in ranks:
+        assert r["epoch0_again"] == r["epoch0"]  # the same seed gives the same order
+        assert r["resumed"] == r["epoch0"][4:]  # 8 consumed samples over 2 ranks: 4 of this rank's
+        assert r["resumed_len"] == len(r["epoch0"]) // 2 - 2  # batches of 2
+        assert r["epoch1"] != r["epoch0"]  # set_epoch reshuffles
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resuming_from_a_checkpoint_continues_exactly(core_run, stage, dtype):
+    """N steps, save, M more steps; against: fresh engines loaded from the checkpoint, M steps. The model has
+    dropout and the data comes through a shuffled loader resumed with consumed_samples."""
+    for got in case(core_run, f"resume_stage{stage}_{dtype}"):
+        assert got["resumed_losses"] == got["uninterrupted_losses"][-len(got["resumed_losses"]) :]
+        assert got["client_state"] == {"consumed_samples": 3 * TRAIN, "note": "hello"}
+        for name, value in got["uninterrupted_params"].items():
+            assert torch.equal(got["resumed_params"][name], value), name
+        assert got["fresh_params_differed"]  # the fresh engine did not start from the same weights by chance
+
+
+def test_rotation_keeps_the_newest_max_num_and_never_touches_other_folders(core_run):
+    got = case(core_run, "rotation")[0]
+    assert got["after_each_save"] == [
+        ["global_step1", "latest", "notes"],
+        ["global_step1", "global_step2", "latest", "notes"],
+        ["global_step2", "global_step3", "latest", "notes"],
+    ]
+    assert got["notes_intact"]
+    assert got["latest"] == "global_step3"
+
+
+def test_rotation_evicts_the_oldest_by_size_under_max_mem(core_run):
+    got = case(core_run, "rotation")[0]
+    # max_mem fits two and a half checkpoints: after the third save the oldest goes.
+    assert got["by_size"] == ["global_step1-2", "global_step1-3"]
+
+
+def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_the_folder(core_run):
+    for got in case(core_run, "load_errors"):
+        assert got["missing"].startswith("FileNotFoundError: no checkpoint to resume in ") and "empty" in got["missing"]
+        assert got["incomplete"].startswith("FileNotFoundError: checkpoint ") and "half" in got["incomplete"]
+        assert "is missing or incomplete" in got["incomplete"]
+
+
+def test_save_model_under_zero_3_writes_the_gathered_weights_that_load_into_a_plain_module(core_run):
+    got = case(core_run, "save_model_zero3")[0]
+    assert got["files"] == ["pytorch_model.bin"]
+    for name, value in got["gathered"].items():
+        assert torch.equal(got["saved"][name], value), name
+        assert torch.equal(got["loaded_into_plain"][name], value), name
+    assert got["params_were_partitioned"]  # the engine really held shards, so the gather did something
+
+
+def test_prepare_returns_eval_engines_for_bare_models_and_a_list_for_several(core_run):
+    for got in case(core_run, "prepare_eval"):
+        assert got["kinds"] == ["tuple", "DeepSpeedEngine"]
+        assert got["eval_stage"] == [0, 3]
+        assert got["eval_outputs_match_plain_module"] == [True, True]
+
+
+def test_a_crashed_rank_ends_the_launch_and_the_last_complete_checkpoint_loads(crash_run, core_run):
+    out, returncode, output = crash_run
+    assert returncode is not None, "the launch was still running a minute after it started"
+    assert returncode != 0, output[-3000:]
+    assert sorted(n for n in os.listdir(out / "ckpt") if not n.endswith(".py")) == [
+        "global_step2",
+        "global_step4",
+        "latest",
+    ]
+    assert (out / "ckpt" / "latest").read_text() == "global_step2"  # not the one being written
+    assert not (out / "ckpt" / "global_step4" / "checkpoint_complete.json").exists()
+    saved = torch.load(out / "params_at_step2.pt", weights_only=True)
+    for got in case(core_run, "load_after_crash"):
+        assert got["load_path"].endswith("global_step2/mp_rank_00_model_states.pt")
+        assert got["global_steps"] == 2
+        for name, value in saved.items():
+            assert torch.equal(got["params"][name], value), name
+
+
+def test_train_batch_size_mismatch_fails_fast_on_both_ranks():
+    """Two independent processes (no launcher to kill the survivor): each must raise on its own, before any
+    collective; a rank that waited for the other would hang and time out here."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "test_get_strategy.py", "--worker", "mismatch", "-"],
+            cwd=HERE,
+            env={
+                **{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        expected = (
+            "--train_batch_size 6 must be a multiple of --micro_train_batch_size * world_size = 2 * 2 = 4 (try 4 or 8)"
+        )
+        assert f"ValueError: {expected}" in output, output
+
+
+# =============================================================================================================
+# train_example.py: every launch mode, determinism, resuming, and the saved weights.
+
+TINY = [
+    "--n_layer",
+    "1",
+    "--n_head",
+    "2",
+    "--n_embd",
+    "32",
+    "--block_size",
+    "32",
+    "--data_bytes",
+    "200000",
+    "--micro_train_batch_size",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--max_steps",
+    "8",
+    "--warmup_steps",
+    "2",
+    "--learning_rate",
+    "1e-2",
+    "--eval_steps",
+    "4",
+    "--eval_batches",
+    "4",
+    "--logging_steps",
+    "1",
+]
+# Two ranks, ZeRO 3, deterministic, a checkpoint every 4 steps: the runs below that share these flags must agree.
+SHARED = [*TINY, "--zero_stage", "3", "--full_determinism", "--save_steps", "4"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same intra-op threads under every launcher, so results can be compared
+
+
+def run_example(cmd, timeout=180):
+    returncode, output, _ = launch(cmd, timeout=timeout, env=ONE_THREAD)
+    assert returncode == 0, output[-5000:]
+    return output
+
+
+def losses(output, kind):
+    """{step: loss} from the example's log lines of that kind ("train" or "held-out")."""
+    import re
+
+    return {int(step): float(loss) for step, loss in re.findall(rf"step +(\d+) \| {kind} loss ([\d.]+)", output)}
+
+
+@pytest.fixture(scope="module")
+def example_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("example")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_two_ranks(example_dir):
+    return run_example(
+        [
+            PYTHON,
+            DEEPSPEED,
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "train_example.py",
+            *SHARED,
+            "--ckpt_path",
+            str(example_dir / "ckpt_ds"),
+            "--save_path",
+            str(example_dir / "weights_ds"),
+        ]
+    )
+
+
+def assert_learns(output, ranks):
+    assert f"{ranks} ranks x" in output
+    held_out = losses(output, "held-out")
+    assert held_out[8] < held_out[0] - 0.05, held_out
+    assert "final held-out loss" in output and "sample: def " in output
+
+
+def test_default_global_batch_is_32_rounded_up_to_whole_micro_steps(monkeypatch):
+    from train_example import parse_args
+
+    for world_size, micro, expected in (("1", "8", 32), ("2", "8", 32), ("3", "8", 48), ("8", "8", 64), ("2", "5", 40)):
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert parse_args(["--micro_train_batch_size", micro]).train_batch_size == expected
+
+
+def test_unigram_baseline_is_the_cross_entropy_under_add_one_byte_frequencies():
+    from train_example import unigram_loss
+
+    train, val = torch.tensor(list(b"aab")), torch.tensor(list(b"ab"))
+    expected = -(numpy.log(3 / 259) + numpy.log(2 / 259)) / 2  # a: (2 + 1) / (3 + 256), b: (1 + 1) / 259
+    assert unigram_loss(train, val) == pytest.approx(expected, rel=1e-12)
+
+
+def test_deepspeed_launcher_without_num_gpus_runs_one_cpu_process_that_learns():
+    output = run_example(
+        [PYTHON, DEEPSPEED, "--master_port", str(free_port()), "train_example.py", *TINY, "--zero_stage", "2"]
+    )
+    assert_learns(output, ranks=1)
+
+
+def test_plain_python_runs_one_process_that_learns():
+    assert_learns(run_example([PYTHON, "train_example.py", *TINY, "--zero_stage", "2", "--bf16"]), ranks=1)
+
+
+def test_deepspeed_launcher_with_two_processes_learns(deepspeed_two_ranks):
+    assert_learns(deepspeed_two_ranks, ranks=2)
+
+
+def test_full_determinism_makes_a_second_run_save_byte_identical_weights(deepspeed_two_ranks, example_dir):
+    output = run_example(
+        torchrun(
+            "train_example.py",
+            *SHARED,
+            "--ckpt_path",
+            str(example_dir / "ckpt_tr"),
+            "--save_path",
+            str(example_dir / "weights_tr"),
+        )
+    )
+    assert_learns(output, ranks=2)
+    assert losses(output, "train") == losses(deepspeed_two_ranks, "train")
+    first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
+    assert (example_dir / "weights_tr" / "pytorch_model.bin").read_bytes() == first
+
+
+def test_two_nodes_simulated_with_torchrun_nnodes_train_like_one_node(deepspeed_two_ranks, example_dir):
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "train_example.py",
+                *SHARED,
+                "--ckpt_path",
+                str(example_dir / "ckpt_nodes"),
+                "--save_path",
+                str(example_dir / "weights_nodes"),
+            ],
+            cwd=HERE,
+            env={**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, **ONE_THREAD},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert_learns(outputs[0], ranks=2)
+    first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
+    assert (example_dir / "weights_nodes" / "pytorch_model.bin").read_bytes() == first
+
+
+def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(deepspeed_two_ranks, example_dir):
+    ckpt = str(example_dir / "ckpt_resume")
+    stopped = run_example(torchrun("train_example.py", *SHARED, "--ckpt_path", ckpt, "--stop_at_step", "4"))
+    assert "stopped at step 4 of 8" in stopped
+    assert sorted(losses(stopped, "train")) == [1, 2, 3, 4]
+    resumed = run_example(
+        torchrun(
+            "train_example.py",
+            *SHARED,
+            "--ckpt_path",
+            ckpt,
+            "--load_checkpoint",
+            "--save_path",
+            str(example_dir / "weights_resumed"),
+        )
+    )
+    assert "at step 4" in resumed
+    uninterrupted = losses(deepspeed_two_ranks, "train")
+    assert losses(stopped, "train") | losses(resumed, "train") == uninterrupted
+    first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
+    assert (example_dir / "weights_resumed" / "pytorch_model.bin").read_bytes() == first
+
+
+def test_zero3_weights_load_into_plain_torch_and_give_the_reported_held_out_loss(deepspeed_two_ranks, example_dir):
+    import re
+
+    from train_example import ByteChunks, byte_loss, load_corpus, model_from_args, parse_args, split_corpus
+
+    args = parse_args([*SHARED])
+    model = model_from_args(args)
+    model.load_state_dict(torch.load(example_dir / "weights_ds" / "pytorch_model.bin", weights_only=True))
+    _, val = split_corpus(load_corpus(args.data_bytes), args.val_fraction)
+    # Unshuffled, the ranks' first eval_batches micro-batches are together the first chunks of the held-out set.
+    count = args.eval_batches * args.micro_train_batch_size * WORLD
+    x, y = (torch.stack(t) for t in zip(*[ByteChunks(val, args.block_size)[i] for i in range(count)], strict=True))
+    with torch.no_grad():
+        plain_loss = byte_loss(model, x, y).item()
+    reported = float(re.search(r"final held-out loss ([\d.]+)", deepspeed_two_ranks).group(1))
+    assert plain_loss == pytest.approx(reported, abs=2e-6)
+
+
+# =============================================================================================================
+# The workers, run in the launched processes.
+
+
+def full_params(engine):
+    """Every parameter of an engine at full size (gathered under ZeRO 3), as float32 copies."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_partition_weights()):
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def new_strategy(stage, bf16=False, **flags):
+    args = argparse.Namespace(
+        zero_stage=stage,
+        micro_train_batch_size=MICRO,
+        train_batch_size=TRAIN,
+        max_norm=MAX_NORM,
+        bf16=bf16,
+        seed=42,
+        **flags,
+    )
+    strategy = get_strategy(args)
+    strategy.setup_distributed(timeout=timedelta(minutes=2))
+    return strategy
+
+
+def prepared(strategy, dropout=0.0, init_seed=1234, schedule=lr_lambda, lr=LR):
+    model = make_model(dropout, init_seed)
+    optimizer = strategy.create_optimizer(model, lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return strategy.prepare((model, optimizer, scheduler))
+
+
+def train(strategy, engine, optimizer, scheduler, loader, steps):
+    """steps optimizer steps from loader; returns each micro-batch's loss, averaged over ranks."""
+    losses = []
+    batches = iter(loader)
+    for _ in range(steps * strategy.accumulated_gradient):
+        x, y = next(batches)
+        dtype = next(engine.module.parameters()).dtype
+        loss = F.mse_loss(engine(x.to(dtype)).float(), y)
+        strategy.backward(loss, engine, optimizer)
+        strategy.optimizer_step(optimizer, engine, scheduler)
+        losses.append(strategy.all_reduce(loss.item()))
+    return losses
+
+
+def worker_train(results, rank):
+    for stage in range(4):
+        strategy = new_strategy(stage)
+        engine, optimizer, scheduler = prepared(strategy)
+        train(
+            strategy,
+            engine,
+            optimizer,
+            scheduler,
+            strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False),
+            STEPS,
+        )
+        results[f"train_stage{stage}"] = dict(
+            params=full_params(engine),
+            global_steps=engine.global_steps,
+            optimizer=type(optimizer).__name__,
+            lr=scheduler.get_last_lr()[0],
+            partitioned=any(p.numel() == 0 for p in engine.module.parameters()),
+        )
+
+
+def worker_bf16(results, rank):
+    for stage in range(4):
+        strategy = new_strategy(stage, bf16=True)
+        engine, optimizer, scheduler = prepared(strategy, schedule=lambda step: 1.0, lr=0.05)
+        loader = strategy.setup_dataloader(make_dataset(), MICRO)
+        epoch_losses = []
+        for epoch in range(4):
+            loader.sampler.set_epoch(epoch)
+            losses = train(strategy, engine, optimizer, scheduler, loader, len(loader) // ACCUM)
+            epoch_losses.append(sum(losses) / len(losses))
+        results[f"bf16_stage{stage}"] = dict(
+            epoch_losses=epoch_losses, param_dtype=str(next(engine.parameters()).dtype)
+        )
+
+
+def worker_offload(results, rank):
+    for stage in (1, 2, 3):
+        strategy = new_strategy(stage, adam_offload=True)
+        engine, optimizer, scheduler = prepared(strategy)
+        train(
+            strategy,
+            engine,
+            optimizer,
+            scheduler,
+            strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False),
+            STEPS,
+        )
+        results[f"offload_stage{stage}"] = dict(
+            params=full_params(engine), basic_optimizer=type(engine.basic_optimizer).__name__
+        )
+
+
+def worker_collectives(results, rank):
+    strategy = new_strategy(0)
+    mine = torch.tensor([1.0, 2.0]) + 2 * rank
+    results["collectives"] = dict(
+        mean=strategy.all_reduce(mine),
+        max=strategy.all_reduce(mine, "max"),
+        sum=strategy.all_reduce(mine, "sum"),
+        input_after=mine.clone(),
+        int_sum=strategy.all_reduce(2**40 * (1 - rank) + rank, "sum"),
+        float_mean=strategy.all_reduce(0.5 * (rank + 1)),
+        dict=strategy.all_reduce({"loss": 0.5 * (rank + 1), "tokens": 2**40 * (1 - rank) + rank}, "sum"),
+        gather_tensor=strategy.all_gather(mine.reshape(1, 2)),
+        gather_number=strategy.all_gather(0.5 * (rank + 1)),
+        gather_scalar=strategy.all_gather(torch.tensor(rank)),
+    )
+
+
+def worker_dataloader(results, rank):
+    strategy = new_strategy(0)
+    dataset = torch.utils.data.TensorDataset(torch.arange(20))
+    indices = lambda loader: [int(i) for (batch,) in loader for i in batch]  # noqa: E731
+    loader = strategy.setup_dataloader(dataset, 2)
+    epoch0 = indices(loader)
+    loader.sampler.set_epoch(1)
+    results["dataloader"] = dict(
+        epoch0=epoch0,
+        epoch0_again=indices(strategy.setup_dataloader(dataset, 2)),
+        epoch1=indices(loader),
+        resumed=indices(strategy.setup_dataloader(dataset, 2, consumed_samples=8)),
+        resumed_len=len(strategy.setup_dataloader(dataset, 2, consumed_samples=8)),
+    )
+
+
+def worker_resume(results, rank, out_dir):
+    for stage in range(4):
+        for dtype in ("fp32", "bf16"):
+            strategy = new_strategy(stage, bf16=dtype == "bf16")
+            ckpt_dir = os.path.join(out_dir, f"resume_{stage}_{dtype}")
+            dataset = make_dataset()
+            # Uninterrupted: 3 steps, a checkpoint, 3 more.
+            engine, optimizer, scheduler = prepared(strategy, dropout=0.1)
+            loader = strategy.setup_dataloader(dataset, MICRO)
+            batches = iter(loader)
+            losses = train(strategy, engine, optimizer, scheduler, [next(batches) for _ in range(3 * ACCUM)], 3)
+            strategy.save_ckpt(engine, ckpt_dir, client_state={"consumed_samples": 3 * TRAIN, "note": "hello"})
+            losses += train(strategy, engine, optimizer, scheduler, batches, 3)
+            uninterrupted = full_params(engine)
+            # Disturb every generator, then resume into fresh engines whose weights start elsewhere.
+            random.random(), numpy.random.rand(), torch.rand(7)
+            engine, optimizer, scheduler = prepared(strategy, dropout=0.1, init_seed=999)
+            fresh = full_params(engine)
+            _, client_state = strategy.load_ckpt(engine, ckpt_dir)
+            loader = strategy.setup_dataloader(dataset, MICRO, consumed_samples=client_state["consumed_samples"])
+            resumed_losses = train(strategy, engine, optimizer, scheduler, loader, 3)
+            results[f"resume_stage{stage}_{dtype}"] = dict(
+                uninterrupted_losses=losses,
+                resumed_losses=resumed_losses,
+                uninterrupted_params=uninterrupted,
+                resumed_params=full_params(engine),
+                param_dtype=str(next(iter(uninterrupted.values())).dtype),
+                client_state={k: client_state[k] for k in ("consumed_samples", "note")},
+                fresh_params_differed=not torch.equal(fresh["0.weight"], uninterrupted["0.weight"]),
+            )
+
+
+def worker_rotation(results, rank, out_dir):
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy)
+    loader = strategy.setup_dataloader(make_dataset(), MICRO)
+    save_dir = os.path.join(out_dir, "rotation")
+    if rank == 0:
+        os.makedirs(os.path.join(save_dir, "notes"))
+        with open(os.path.join(save_dir, "notes", "keep.txt"), "w") as f:
+            f.write("not a checkpoint")
+    after_each_save = []
+    listing = lambda d: sorted(n for n in os.listdir(d) if not n.endswith(".py"))  # noqa: E731 (DeepSpeed adds scripts)
+    for _ in range(3):
+        train(strategy, engine, optimizer, scheduler, loader, 1)
+        strategy.save_ckpt(engine, save_dir, max_num=2)
+        after_each_save.append(listing(save_dir))
+    # By size: three saves of the same step under distinct tags, with room for two and a half.
+    size_dir = os.path.join(out_dir, "rotation_size")
+    strategy.save_ckpt(engine, size_dir, tag="global_step1", max_num=10)
+    one = sum(
+        os.path.getsize(os.path.join(size_dir, "global_step1", n))
+        for n in os.listdir(os.path.join(size_dir, "global_step1"))
+    )
+    for tag in ("global_step1-2", "global_step1-3"):
+        time.sleep(0.01)  # distinct modification times
+        strategy.save_ckpt(engine, size_dir, tag=tag, max_num=10, max_mem=2.5 * one / 1024**3)
+    with open(os.path.join(save_dir, "notes", "keep.txt")) as f:
+        notes_intact = f.read() == "not a checkpoint"
+    with open(os.path.join(save_dir, "latest")) as f:
+        latest = f.read()
+    results["rotation"] = dict(
+        after_each_save=after_each_save,
+        notes_intact=notes_intact,
+        latest=latest,
+        by_size=[n for n in listing(size_dir) if n != "latest"],
+    )
+
+
+def worker_load_errors(results, rank, out_dir):
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy)
+    got = {}
+    empty = os.path.join(out_dir, "empty")
+    half = os.path.join(out_dir, "half")
+    if rank == 0:
+        os.makedirs(empty, exist_ok=True)
+    strategy.save_ckpt(engine, half)
+    if rank == 0:
+        os.remove(os.path.join(half, "global_step0", "checkpoint_complete.json"))  # as if a rank died while saving
+    torch.distributed.barrier()
+    for name, path in (("missing", empty), ("incomplete", half)):
+        try:
+            strategy.load_ckpt(engine, path)
+            got[name] = "loaded"
+        except Exception as error:
+            got[name] = f"{type(error).__name__}: {error}"
+    results["load_errors"] = got
+
+
+def worker_save_model(results, rank, out_dir):
+    strategy = new_strategy(3)
+    engine, optimizer, scheduler = prepared(strategy)
+    train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO), 2)
+    partitioned = any(p.numel() == 0 for p in engine.module.parameters())
+    gathered = full_params(engine)
+    out = os.path.join(out_dir, "saved_model")
+    strategy.save_model(engine, None, out)
+    if rank == 0:
+        plain = make_model(init_seed=7)
+        strategy.load_model(plain, os.path.join(out, "pytorch_model.bin"), strict=True)
+        results["save_model_zero3"] = dict(
+            files=sorted(os.listdir(out)),
+            gathered=gathered,
+            params_were_partitioned=partitioned,
+            saved=torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True),
+            loaded_into_plain={name: p.detach() for name, p in plain.named_parameters()},
+        )
+    else:
+        results["save_model_zero3"] = {}
+
+
+def worker_prepare_eval(results, rank):
+    got = dict(kinds=[], eval_stage=[], eval_outputs_match_plain_module=[])
+    x = make_dataset().tensors[0][:4]
+    for stage in (2, 3):
+        strategy = new_strategy(stage)
+        model = make_model()
+        optimizer = strategy.create_optimizer(model, lr=LR)
+        reference = make_model(init_seed=3)
+        expected = reference(x).detach()
+        trained, frozen = strategy.prepare((model, optimizer, None), make_model(init_seed=3))
+        with torch.no_grad():
+            got["eval_outputs_match_plain_module"].append(torch.allclose(frozen(x), expected, atol=1e-6))
+        got["eval_stage"].append(frozen.zero_optimization_stage())
+        if stage == 2:
+            got["kinds"] = [type(trained).__name__, type(frozen).__name__]
+    results["prepare_eval"] = got
+
+
+def worker_load_after_crash(results, rank, crash_dir):
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy, init_seed=999)
+    load_path, _ = strategy.load_ckpt(engine, os.path.join(crash_dir, "ckpt"))
+    results["load_after_crash"] = dict(
+        load_path=load_path, global_steps=engine.global_steps, params=full_params(engine)
+    )
+
+
+def run_core(out_dir, crash_dir):
+    rank = int(os.environ["RANK"])
+    results = {"errors": {}}
+    cases = [
+        (worker_train, ()),
+        (worker_bf16, ()),
+        (worker_offload, ()),
+        (worker_collectives, ()),
+        (worker_dataloader, ()),
+        (worker_resume, (out_dir,)),
+        (worker_rotation, (out_dir,)),
+        (worker_load_errors, (out_dir,)),
+        (worker_save_model, (out_dir,)),
+        (worker_prepare_eval, ()),
+        (worker_load_after_crash, (crash_dir,)),
+    ]
+    for function, extra in cases:
+        try:
+            function(results, rank, *extra)
+        except Exception:  # record and go on: the tests report each case on its own
+            results["errors"][function.__name__.removeprefix("worker_")] = traceback.format_exc()
+            traceback.print_exc()
+    # The tests name cases by result key; map a failed function to the keys it would have filled.
+    for failed in list(results["errors"]):
+        for key in CASE_KEYS.get(failed, ()):
+            results["errors"][key] = results["errors"][failed]
+    torch.save(results, os.path.join(out_dir, f"results_rank{rank}.pt"))
+
+
+CASE_KEYS = {
+    "train": [f"train_stage{s}" for s in range(4)],
+    "bf16": [f"bf16_stage{s}" for s in range(4)],
+    "offload": [f"offload_stage{s}" for s in (1, 2, 3)],
+    "resume": [f"resume_stage{s}_{d}" for s in range(4) for d in ("fp32", "bf16")],
+    "save_model": ["save_model_zero3"],
+}
+
+
+def run_crash(out_dir):
+    import signal
+
+    strategy = new_strategy(2)
+    rank = strategy.get_rank()
+    engine, optimizer, scheduler = prepared(strategy)
+    loader = strategy.setup_dataloader(make_dataset(), MICRO)
+    batches = iter(loader)
+    ckpt = os.path.join(out_dir, "ckpt")
+    train(strategy, engine, optimizer, scheduler, batches, 2)
+    strategy.save_ckpt(engine, ckpt)
+    if rank == 0:
+        torch.save(full_params(engine), os.path.join(out_dir, "params_at_step2.pt"))
+    train(strategy, engine, optimizer, scheduler, batches, 2)
+    if rank == 1:  # rank 1 dies half-way through the next save: after its RNG file, before DeepSpeed's files
+        engine.save_checkpoint = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    strategy.save_ckpt(engine, ckpt)
+    print("a save completed although rank 1 died", flush=True)
+
+
+def run_mismatch():
+    args = argparse.Namespace(zero_stage=2, micro_train_batch_size=2, train_batch_size=6)
+    get_strategy(args).setup_distributed(timeout=timedelta(minutes=5))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=["core", "crash", "mismatch"], required=True)
+    parser.add_argument("out_dir")
+    parser.add_argument("crash_dir", nargs="?")
+    parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
+    cli = parser.parse_args()
+    if cli.worker == "core":
+        run_core(cli.out_dir, cli.crash_dir)
+    elif cli.worker == "crash":
+        run_crash(cli.out_dir)
+    else:
+        run_mismatch()

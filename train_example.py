@@ -1,0 +1,382 @@
+"""Train a small byte-level GPT on the source of Python's standard library, through get_strategy.py.
+
+The text is already on every machine with Python, so nothing is downloaded. With the defaults the run takes
+about two minutes on a 2-core CPU and ends well below the unigram baseline (the loss of predicting each byte
+from byte frequencies alone).
+
+One machine:
+    deepspeed train_example.py --zero_stage 2                # one process per GPU; one process on a CPU-only machine
+    deepspeed --num_gpus 2 train_example.py --zero_stage 3   # two processes, also on CPU (gloo)
+    torchrun --nproc_per_node 2 train_example.py --zero_stage 2
+    python train_example.py --zero_stage 2                   # one process, no launcher
+
+Several machines (here two, each with 8 GPUs), either with the deepspeed launcher and a hostfile of lines
+"HOSTNAME slots=8" (it reaches the hosts over passwordless ssh):
+    deepspeed --hostfile hostfile --master_addr HOST0 train_example.py --zero_stage 3
+or with torchrun started on every machine:
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
+    torchrun --nnodes 2 --node_rank 1 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
+
+Checkpoints and resuming (rerun the same command with --load_checkpoint after an interruption):
+    deepspeed train_example.py --zero_stage 2 --ckpt_path ckpt --save_steps 50 --load_checkpoint --save_path out
+"""
+
+import argparse
+import glob
+import itertools
+import logging
+import math
+import os
+import sysconfig
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from tqdm import tqdm
+
+from get_strategy import get_strategy
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    # The strategy's flags: get_strategy() reads them, with the same names.
+    group = parser.add_argument_group("strategy")
+    group.add_argument(
+        "--zero_stage",
+        type=int,
+        default=2,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 and gradients, 3 and parameters",
+    )
+    group.add_argument("--micro_train_batch_size", type=int, default=8, help="sequences per rank per forward/backward")
+    group.add_argument(
+        "--train_batch_size",
+        type=int,
+        default=None,
+        help="sequences per optimizer step over all ranks, a multiple of micro_train_batch_size * ranks "
+        "(default: 32, rounded up to such a multiple)",
+    )
+    group.add_argument(
+        "--max_norm", type=float, default=1.0, help="clip the gradient L2 norm to this; 0 turns clipping off"
+    )
+    group.add_argument("--seed", type=int, default=42, help="seed for model initialisation, data order and dropout")
+    group.add_argument(
+        "--full_determinism", action="store_true", help="deterministic kernels: reruns are identical to the bit"
+    )
+    group.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations, fp32 master weights")
+    group.add_argument(
+        "--adam_offload", action="store_true", help="Adam states and step on the CPU (needs --zero_stage >= 1)"
+    )
+    group.add_argument("--overlap_comm", action="store_true", help="reduce gradients while the backward pass runs")
+    group.add_argument("--grad_accum_dtype", choices=["fp32", "bf16", "fp16"], help="dtype gradients accumulate in")
+    group.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; leave it alone")
+
+    group = parser.add_argument_group("model and data")
+    group.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
+    group.add_argument("--n_head", type=int, default=4, help="attention heads per block")
+    group.add_argument("--n_embd", type=int, default=128, help="width of the residual stream")
+    group.add_argument("--block_size", type=int, default=128, help="context length in bytes")
+    group.add_argument("--dropout", type=float, default=0.0, help="dropout probability in attention and MLP outputs")
+    group.add_argument("--data_bytes", type=int, default=2_000_000, help="bytes of standard-library source to read")
+    group.add_argument(
+        "--val_fraction", type=float, default=0.1, help="last fraction of the bytes, held out for evaluation"
+    )
+
+    group = parser.add_argument_group("training")
+    group.add_argument(
+        "--max_steps", type=int, default=500, help="optimizer steps; the learning-rate schedule spans them"
+    )
+    group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
+    group.add_argument("--warmup_steps", type=int, default=20, help="steps of linear warmup from 0 to the peak")
+    group.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay ends at peak * this")
+    group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on weight matrices")
+    group.add_argument("--eval_steps", type=int, default=100, help="evaluate on held-out data every this many steps")
+    group.add_argument("--eval_batches", type=int, default=20, help="held-out micro-batches per rank in one evaluation")
+    group.add_argument("--logging_steps", type=int, default=50, help="print a log line every this many steps")
+
+    group = parser.add_argument_group("saving and resuming")
+    group.add_argument("--save_path", help="folder for the final consolidated weights (pytorch_model.bin)")
+    group.add_argument("--ckpt_path", default="./ckpt", help="folder for training checkpoints")
+    group.add_argument("--save_steps", type=int, default=-1, help="save a checkpoint every this many steps; -1 never")
+    group.add_argument("--max_ckpt_num", type=int, default=3, help="keep at most this many checkpoints")
+    group.add_argument("--max_ckpt_mem", type=float, default=1000, help="keep at most this many GB of checkpoints")
+    group.add_argument(
+        "--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path"
+    )
+    group.add_argument(
+        "--stop_at_step",
+        type=int,
+        default=None,
+        help="save a checkpoint and stop at this step, as a job whose time is up would; "
+        "the learning-rate schedule still spans --max_steps",
+    )
+    args = parser.parse_args(argv)
+    if args.train_batch_size is None:
+        # Launchers export WORLD_SIZE before the script starts; plain python is one process.
+        per_micro_step = args.micro_train_batch_size * int(os.environ.get("WORLD_SIZE", "1"))
+        args.train_batch_size = per_micro_step * math.ceil(32 / per_micro_step)
+    return args
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Data: the standard library's own source, as bytes
+
+
+def load_corpus(max_bytes: int) -> bytes:
+    """The top-level .py files of the standard library, in name order, up to max_bytes."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    text = b"".join(open(path, "rb").read() for path in files)
+    if len(text) < max_bytes:
+        raise ValueError(f"--data_bytes {max_bytes} is more than the {len(text)} bytes of standard-library source here")
+    return text[:max_bytes]
+
+
+def split_corpus(text: bytes, val_fraction: float):
+    """The first bytes train, the last val_fraction are held out (whole files of other modules)."""
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * (1 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+class ByteChunks(torch.utils.data.Dataset):
+    """Non-overlapping windows of block_size + 1 bytes: inputs are the first block_size, targets the last."""
+
+    def __init__(self, data: torch.Tensor, block_size: int):
+        self.data, self.block_size = data, block_size
+
+    def __len__(self):
+        return (len(self.data) - 1) // self.block_size
+
+    def __getitem__(self, i):
+        window = self.data[i * self.block_size : (i + 1) * self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def unigram_loss(train: torch.Tensor, val: torch.Tensor) -> float:
+    """Cross-entropy (nats per byte) of the held-out bytes under the training bytes' frequencies (add-one)."""
+    probs = (torch.bincount(train, minlength=256).double() + 1) / (len(train) + 256)
+    return -probs.log()[val].mean().item()
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Model: a GPT with 256 byte tokens
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, dropout):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class ByteGPT(nn.Module):
+    def __init__(self, n_layer, n_head, n_embd, block_size, dropout):
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(256, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, 256, bias=False)
+        for module in self.modules():  # GPT-2's initialisation: small normal weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def model_from_args(args) -> ByteGPT:
+    return ByteGPT(args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout)
+
+
+def byte_loss(model, x, y) -> torch.Tensor:
+    """Mean cross-entropy in nats per byte, computed in fp32 also when the model runs in bf16."""
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Training helpers
+
+
+def warmup_cosine(args):
+    """Learning-rate multiplier per optimizer step: linear warmup, then cosine decay to min_lr_ratio."""
+
+    def multiplier(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def micro_batches(loader, strategy, start_step, steps_per_epoch):
+    """Micro-batches from optimizer step start_step on, epoch after epoch, each epoch in a new seeded order."""
+    step = start_step
+    while True:
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        loader.sampler.set_epoch(epoch, consumed_samples=step_in_epoch * strategy.train_batch_size)
+        yield from itertools.islice(loader, (steps_per_epoch - step_in_epoch) * strategy.accumulated_gradient)
+        step += steps_per_epoch - step_in_epoch
+
+
+@torch.no_grad()
+def evaluate(engine, loader, strategy, batches, device) -> float:
+    """Mean held-out loss over the first `batches` micro-batches of every rank's shard."""
+    engine.eval()
+    losses = [byte_loss(engine, x.to(device), y.to(device)).item() for x, y in itertools.islice(loader, batches)]
+    engine.train()
+    return strategy.all_reduce(sum(losses) / len(losses))
+
+
+@torch.no_grad()
+def generate(engine, prompt: bytes, length: int, seed: int, device) -> bytes:
+    """Sample length bytes after prompt (temperature 0.8). Every rank draws the same bytes from its own seeded
+    generator, since under ZeRO 3 every rank must run each forward pass."""
+    engine.eval()
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([list(prompt)], device=device)
+    for _ in range(length):
+        logits = engine(idx[:, -engine.module.block_size :])[0, -1].float().cpu()
+        next_byte = torch.multinomial(F.softmax(logits / 0.8, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, next_byte.to(device).view(1, 1)], dim=1)
+    engine.train()
+    return bytes(idx[0, len(prompt) :].tolist())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Keep the console for this script's progress: DeepSpeed logs its whole config at INFO on every rank, and
+    # its CPU collectives call torch functions that warn of their deprecation on every call site.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    device = get_accelerator().current_device_name()
+
+    train_data, val_data = split_corpus(load_corpus(args.data_bytes), args.val_fraction)
+    train_set, val_set = ByteChunks(train_data, args.block_size), ByteChunks(val_data, args.block_size)
+    steps_per_epoch = len(train_set) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"--train_batch_size {args.train_batch_size} is more than the {len(train_set)} training sequences"
+        )
+    if len(val_set) < args.eval_batches * args.micro_train_batch_size * strategy.world_size:
+        raise ValueError(
+            f"--eval_batches {args.eval_batches} needs more held-out data: raise --data_bytes or --val_fraction"
+        )
+
+    model = model_from_args(args)  # the same initial weights on every rank: setup_distributed seeded torch
+    strategy.print(
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_data):,} training "
+        f"bytes, {strategy.world_size} ranks x {strategy.accumulated_gradient} accumulation steps"
+    )
+    optimizer = strategy.create_optimizer(
+        model, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
+    engine, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
+
+    train_loader = strategy.setup_dataloader(train_set, args.micro_train_batch_size)
+    val_loader = strategy.setup_dataloader(val_set, args.micro_train_batch_size, shuffle=False)
+
+    start_step = 0
+    if args.load_checkpoint and os.path.isfile(os.path.join(args.ckpt_path, "latest")):
+        _, client_state = strategy.load_ckpt(engine, args.ckpt_path)
+        start_step = client_state["consumed_samples"] // args.train_batch_size
+        strategy.print(f"resumed from {args.ckpt_path} at step {start_step}")
+    elif args.load_checkpoint:
+        strategy.print(f"no checkpoint in {args.ckpt_path} yet: starting from step 0")
+
+    def save_checkpoint(step):
+        strategy.save_ckpt(
+            engine,
+            args.ckpt_path,
+            max_num=args.max_ckpt_num,
+            max_mem=args.max_ckpt_mem,
+            client_state={"consumed_samples": step * args.train_batch_size},
+        )
+
+    def log(message):
+        if strategy.is_rank_0():
+            tqdm.write(message)  # prints above the progress bar instead of through it
+
+    def held_out_loss(step):
+        loss = evaluate(engine, val_loader, strategy, args.eval_batches, device)
+        log(f"step {step:5d} | held-out loss {loss:.6f}")
+        return loss
+
+    last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
+    if start_step == 0:
+        held_out_loss(0)
+    tokens_per_step = args.train_batch_size * args.block_size
+    batches = micro_batches(train_loader, strategy, start_step, steps_per_epoch)
+    bar = tqdm(
+        total=args.max_steps, initial=start_step, disable=not strategy.is_rank_0(), desc="train", dynamic_ncols=True
+    )
+    started = time.perf_counter()
+    for step in range(start_step + 1, last_step + 1):
+        step_loss = 0.0
+        for _ in range(strategy.accumulated_gradient):
+            x, y = next(batches)
+            loss = byte_loss(engine, x.to(device), y.to(device))
+            strategy.backward(loss, engine, optimizer)
+            strategy.optimizer_step(optimizer, engine, scheduler)  # steps the optimizer on the last micro-batch
+            step_loss += loss.item() / strategy.accumulated_gradient
+        step_loss = strategy.all_reduce(step_loss)  # the mean over ranks, so every rank holds the same number
+        tokens_per_s = (step - start_step) * tokens_per_step / (time.perf_counter() - started)
+        lr = scheduler.get_last_lr()[0]
+        bar.update()
+        bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+        if step % args.logging_steps == 0:
+            log(f"step {step:5d} | train loss {step_loss:.6f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s")
+        if step % args.eval_steps == 0 and step < args.max_steps:
+            held_out_loss(step)
+        if (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step:
+            save_checkpoint(step)
+    bar.close()
+
+    if last_step < args.max_steps:
+        strategy.print(f"stopped at step {last_step} of {args.max_steps}; continue with --load_checkpoint")
+    else:
+        val_loss = held_out_loss(args.max_steps)
+        strategy.print(
+            f"final held-out loss {val_loss:.6f} nats/byte; unigram baseline "
+            f"{unigram_loss(train_data, val_data):.6f} nats/byte"
+        )
+        sample = generate(engine, b"def ", 160, args.seed, device)
+        strategy.print("sample: def " + sample.decode("utf-8", errors="replace"))
+        if args.save_path:
+            strategy.save_model(engine, None, args.save_path)
+            strategy.print(f"weights saved to {os.path.join(args.save_path, 'pytorch_model.bin')}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

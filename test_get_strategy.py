@@ -134,6 +134,13 @@ def read_results(out_dir, rank=0):
 # Single process: flags, validation, ds_config, seeding
 
 
+@pytest.fixture(scope="session", autouse=True)
+def teardown_process_group():
+    """Some tests below join a one-process group inside pytest; end it cleanly before pytest exits."""
+    yield
+    DeepspeedStrategy(zero_stage=0).teardown()
+
+
 @pytest.fixture
 def clean_launch_env(monkeypatch):
     """As under plain `python`: no launcher variables. Whatever setup_distributed sets is undone afterwards."""
@@ -1088,6 +1095,7 @@ def run_core(out_dir, crash_dir):
         for key in CASE_KEYS.get(failed, ()):
             results["errors"][key] = results["errors"][failed]
     torch.save(results, os.path.join(out_dir, f"results_rank{rank}.pt"))
+    DeepspeedStrategy(zero_stage=0).teardown()
 
 
 CASE_KEYS = {

@@ -375,7 +375,7 @@ def main(argv=None):
         if args.save_path:
             strategy.save_model(engine, None, args.save_path)
             strategy.print(f"weights saved to {os.path.join(args.save_path, 'pytorch_model.bin')}")
-    torch.distributed.destroy_process_group()
+    strategy.teardown()
 
 
 if __name__ == "__main__":

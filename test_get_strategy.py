@@ -520,11 +520,25 @@ def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_t
 
 def test_save_model_under_zero_3_writes_the_gathered_weights_that_load_into_a_plain_module(core_run):
     got = case(core_run, "save_model_zero3")[0]
-    assert got["files"] == ["pytorch_model.bin"]
+    assert got["files"] == ["pytorch_model.bin"]  # and no temporary file left behind
     for name, value in got["gathered"].items():
         assert torch.equal(got["saved"][name], value), name
         assert torch.equal(got["loaded_into_plain"][name], value), name
     assert got["params_were_partitioned"]  # the engine really held shards, so the gather did something
+
+
+def test_load_model_fills_every_shard_of_a_zero_3_engine(core_run):
+    for got in case(core_run, "save_model_zero3"):
+        for name, value in got["gathered_here"].items():
+            assert torch.equal(got["loaded_into_engine"][name], value), name
+
+
+def test_save_model_goes_through_save_pretrained_with_the_gathered_state_dict_and_saves_the_tokenizer(core_run):
+    got = case(core_run, "save_model_zero3")[0]
+    assert got["pretrained_files"] == ["config.json", "model.bin", "tokenizer.json"]
+    assert got["pretrained_kwargs"] == ["safe_serialization"]  # extra keyword arguments are passed on
+    for name, value in got["pretrained_gathered"].items():
+        assert torch.equal(got["pretrained_saved"][name], value), name
 
 
 def test_prepare_returns_eval_engines_for_bare_models_and_a_list_for_several(core_run):
@@ -1019,6 +1033,21 @@ def worker_load_errors(results, rank, out_dir):
     results["load_errors"] = got
 
 
+class SavesPretrained(torch.nn.Sequential):
+    """A module with a Hugging Face style save_pretrained, as transformers models have."""
+
+    def save_pretrained(self, directory, state_dict=None, **kwargs):
+        torch.save(state_dict, os.path.join(directory, "model.bin"))
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({"kwargs": sorted(kwargs)}, f)
+
+
+class SavesTokenizer:
+    def save_pretrained(self, directory):
+        with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
 def worker_save_model(results, rank, out_dir):
     strategy = new_strategy(3)
     engine, optimizer, scheduler = prepared(strategy)
@@ -1027,18 +1056,35 @@ def worker_save_model(results, rank, out_dir):
     gathered = full_params(engine)
     out = os.path.join(out_dir, "saved_model")
     strategy.save_model(engine, None, out)
+    # Loading into a ZeRO 3 engine: every rank's shard must receive the file's values.
+    fresh, _, _ = prepared(strategy, init_seed=7)
+    strategy.load_model(fresh, os.path.join(out, "pytorch_model.bin"), strict=True)
+    loaded_into_engine = full_params(fresh)
+    # A model with save_pretrained gets the gathered state dict; a tokenizer is saved beside it.
+    pretrained = strategy.prepare(SavesPretrained(*make_model(init_seed=3)))
+    out_pretrained = os.path.join(out_dir, "saved_pretrained")
+    strategy.save_model(pretrained, SavesTokenizer(), out_pretrained, safe_serialization=False)
+    pretrained_gathered = full_params(pretrained)
     if rank == 0:
         plain = make_model(init_seed=7)
         strategy.load_model(plain, os.path.join(out, "pytorch_model.bin"), strict=True)
+        with open(os.path.join(out_pretrained, "config.json")) as f:
+            pretrained_kwargs = json.load(f)["kwargs"]
         results["save_model_zero3"] = dict(
             files=sorted(os.listdir(out)),
             gathered=gathered,
             params_were_partitioned=partitioned,
             saved=torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True),
             loaded_into_plain={name: p.detach() for name, p in plain.named_parameters()},
+            pretrained_files=sorted(os.listdir(out_pretrained)),
+            pretrained_kwargs=pretrained_kwargs,
+            pretrained_saved=torch.load(os.path.join(out_pretrained, "model.bin"), weights_only=True),
+            pretrained_gathered=pretrained_gathered,
         )
     else:
         results["save_model_zero3"] = {}
+    results["save_model_zero3"]["loaded_into_engine"] = loaded_into_engine
+    results["save_model_zero3"]["gathered_here"] = gathered
 
 
 def worker_prepare_eval(results, rank):

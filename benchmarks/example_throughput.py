@@ -1,0 +1,45 @@
+"""Training throughput of train_example.py (its default model) at each ZeRO stage, in fp32 and bf16.
+
+    python benchmarks/example_throughput.py                # CPU: two processes per run, about 3 minutes
+    python benchmarks/example_throughput.py --nproc 1 --steps 200
+
+Each run is `torchrun --nproc_per_node N train_example.py --zero_stage S [--bf16] --max_steps STEPS`; the figure
+is the example's own tokens/s at its last step: every token trained on, over all ranks, divided by the time
+since the first step began (so start-up is excluded and the first step's warm-up is included).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tokens_per_second(nproc: int, stage: int, bf16: bool, steps: int) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "train_example.py",
+           "--zero_stage", str(stage), "--max_steps", str(steps), "--logging_steps", str(steps),
+           "--eval_steps", str(steps), "--eval_batches", "1"] + (["--bf16"] if bf16 else [])  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = re.findall(r"\| ([\d,]+) tokens/s", done.stdout)
+    if done.returncode != 0 or not found:
+        sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}")
+    return float(found[-1].replace(",", ""))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="processes per run")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    args = parser.parse_args()
+    print(f"train_example.py defaults, {args.nproc} processes, {args.steps} steps; tokens/s over all ranks")
+    print(f"{'stage':>5} {'fp32':>10} {'bf16':>10}")
+    for stage in range(4):
+        fp32, bf16 = (tokens_per_second(args.nproc, stage, bf16, args.steps) for bf16 in (False, True))
+        print(f"{stage:>5} {fp32:>10,.0f} {bf16:>10,.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

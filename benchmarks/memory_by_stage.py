@@ -1,6 +1,6 @@
 """Bytes each rank holds for parameters, gradients and optimizer state at ZeRO 0-3, against the ZeRO paper.
 
-    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py          # CPU, about a minute
+    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py          # CPU, about 20 seconds
     torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py --json out.json
 
 The numbers are read from the tensors the engine and its optimizer hold (each storage counted once, however

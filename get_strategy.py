@@ -489,12 +489,12 @@ class DeepspeedStrategy:
         doomed = []
         if self.is_rank_0():
             protected = {keep, _read_latest(save_dir)}
-            ours = [
-                name
-                for name in os.listdir(save_dir)
-                if os.path.isfile(os.path.join(save_dir, name, RNG_FILE.format(rank=0)))
-            ]
-            ours.sort(key=lambda name: os.path.getmtime(os.path.join(save_dir, name, RNG_FILE.format(rank=0))))
+            # Ours are the folders holding rank 0's RNG file, which save_ckpt writes first; its age orders them.
+            first_file = {name: os.path.join(save_dir, name, RNG_FILE.format(rank=0)) for name in os.listdir(save_dir)}
+            ours = sorted(
+                (n for n, path in first_file.items() if os.path.isfile(path)),
+                key=lambda n: os.path.getmtime(first_file[n]),
+            )
             sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
             count, total = len(ours), sum(sizes.values())
             for name in ours:  # oldest first
@@ -527,13 +527,12 @@ class DeepspeedStrategy:
         prepared engine and restore this rank's random generators. Returns (load_path, client_state).
 
         A missing or incomplete checkpoint raises FileNotFoundError on every rank, naming the folder."""
-        problem = self._checkpoint_problem(load_dir, tag, load_module_only)
+        tag = str(tag) if tag is not None else _read_latest(load_dir)
         problems = [None] * self.world_size
-        dist.all_gather_object(problems, problem)  # every rank raises if any rank cannot load
+        dist.all_gather_object(problems, self._checkpoint_problem(load_dir, tag, load_module_only))
         first = next((p for p in problems if p is not None), None)
-        if first is not None:
+        if first is not None:  # every rank raises, even one whose own files are fine, so none waits alone
             raise FileNotFoundError(first)
-        tag = tag if tag is not None else _read_latest(load_dir)
 
         load_path, client_state = model.load_checkpoint(
             load_dir,
@@ -549,12 +548,10 @@ class DeepspeedStrategy:
         return load_path, client_state
 
     def _checkpoint_problem(self, load_dir, tag, load_module_only):
-        """Why this rank cannot load the checkpoint, or None."""
+        """Why this rank cannot load the checkpoint, or None. tag is None when load_dir has no 'latest' file."""
         if tag is None:
-            tag = _read_latest(load_dir)
-            if tag is None:
-                return f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
-        ckpt_dir = os.path.join(load_dir, str(tag))
+            return f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
+        ckpt_dir = os.path.join(load_dir, tag)
         try:
             with open(os.path.join(ckpt_dir, DONE_FILE)) as f:
                 saved_world_size = json.load(f)["world_size"]

@@ -838,18 +838,18 @@ def train(strategy, engine, optimizer, scheduler, loader, steps):
     return losses
 
 
+def train_like_the_reference(stage, **flags):
+    """STEPS optimizer steps through the strategy over the reference's batches (the loader unshuffled)."""
+    strategy = new_strategy(stage, **flags)
+    engine, optimizer, scheduler = prepared(strategy)
+    loader = strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False)
+    train(strategy, engine, optimizer, scheduler, loader, STEPS)
+    return engine, optimizer, scheduler
+
+
 def worker_train(results, rank):
     for stage in range(4):
-        strategy = new_strategy(stage)
-        engine, optimizer, scheduler = prepared(strategy)
-        train(
-            strategy,
-            engine,
-            optimizer,
-            scheduler,
-            strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False),
-            STEPS,
-        )
+        engine, optimizer, scheduler = train_like_the_reference(stage)
         results[f"train_stage{stage}"] = dict(
             params=full_params(engine),
             global_steps=engine.global_steps,
@@ -876,16 +876,7 @@ def worker_bf16(results, rank):
 
 def worker_offload(results, rank):
     for stage in (1, 2, 3):
-        strategy = new_strategy(stage, adam_offload=True)
-        engine, optimizer, scheduler = prepared(strategy)
-        train(
-            strategy,
-            engine,
-            optimizer,
-            scheduler,
-            strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False),
-            STEPS,
-        )
+        engine, _, _ = train_like_the_reference(stage, adam_offload=True)
         results[f"offload_stage{stage}"] = dict(
             params=full_params(engine), basic_optimizer=type(engine.basic_optimizer).__name__
         )

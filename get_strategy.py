@@ -22,6 +22,7 @@ Use it in a training script:
         loss = loss_fn(model(batch))
         strategy.backward(loss, model, optimizer)
         strategy.optimizer_step(optimizer, model, scheduler)  # steps once every accumulated_gradient calls
+    strategy.teardown()  # see its docstring: ends the process group before Python shuts down
 
 and launch it with any of:
 

@@ -88,7 +88,7 @@ def parse_args(argv=None):
 
     group = parser.add_argument_group("training")
     group.add_argument(
-        "--max_steps", type=int, default=500, help="optimizer steps; the learning-rate schedule spans them"
+        "--max_steps", type=int, default=400, help="optimizer steps; the learning-rate schedule spans them"
     )
     group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     group.add_argument("--warmup_steps", type=int, default=20, help="steps of linear warmup from 0 to the peak")

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler
 
-try:  # NumPy is optional: seeded and checkpointed when present
+try:  # seeded and checkpointed when present; DeepSpeed itself requires NumPy, so vendoring adds nothing
     import numpy
 except ImportError:
     numpy = None

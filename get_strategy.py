@@ -575,7 +575,7 @@ class DeepspeedStrategy:
         it, so no reader sees a partial file. All ranks must call it; all return once the files are complete."""
         module = self._unwrap_model(model)
         if isinstance(model, deepspeed.DeepSpeedEngine) and model.zero_optimization_partition_weights():
-            state_dict = model._zero3_consolidated_16bit_state_dict()  # collective: full weights on rank 0
+            state_dict = self._gather_zero3_state_dict(module)  # collective: full weights on rank 0
         elif self.is_rank_0():
             # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
             state_dict = {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
@@ -596,6 +596,22 @@ class DeepspeedStrategy:
                 shutil.rmtree(staging, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
+
+    def _gather_zero3_state_dict(self, module) -> dict:
+        """The full state dict of a ZeRO 3 module on rank 0 ({} elsewhere), gathering one submodule's parameters
+        at a time so no rank ever holds the whole model. The gather is read-only (modifier_rank=None), through
+        DeepSpeed's public API: its private _zero3_consolidated_16bit_state_dict gathers the same way but then
+        broadcasts every weight back to every rank, which a save does not need."""
+        state_dict = {}
+        for prefix, submodule in module.named_modules():
+            params = dict(submodule.named_parameters(prefix=prefix, recurse=False))
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                if self.is_rank_0():
+                    state_dict.update({name: p.detach().cpu().clone() for name, p in params.items()})
+        if self.is_rank_0():  # buffers are never partitioned; the state dict holds the persistent ones
+            full_keys = module.state_dict(keep_vars=True).keys()
+            state_dict.update({n: b.detach().cpu().clone() for n, b in module.named_buffers() if n in full_keys})
+        return state_dict
 
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
         """Load a state dict file into model (a plain module or an engine). The file is read with

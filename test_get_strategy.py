@@ -520,6 +520,13 @@ def test_save_model_leaves_every_ranks_weights_unchanged(core_run):
                 assert torch.equal(got[after][name], value), (after, name)
 
 
+def test_save_model_under_zero_3_writes_persistent_buffers_like_state_dict(core_run):
+    got = case(core_run, "save_model_zero3")[0]
+    assert sorted(got["buffers_saved"]) == sorted(got["buffers_expected"])  # BatchNorm's, not the scratch one
+    for name, value in got["buffers_expected"].items():
+        assert torch.equal(got["buffers_saved"][name], value), name
+
+
 def test_load_model_fills_every_shard_of_a_zero_3_engine(core_run):
     for got in case(core_run, "save_model_zero3"):
         for name, value in got["gathered_here"].items():
@@ -1053,6 +1060,12 @@ def worker_save_model(results, rank, out_dir):
         pretrained_gathered = full_params(pretrained)
         if any(not torch.equal(pretrained_gathered[n], v) for n, v in pretrained_before.items()):
             break
+    # Buffers are never sharded: the saved file holds the persistent ones, as module.state_dict() does.
+    with_buffers = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.BatchNorm1d(HIDDEN))
+    with_buffers.register_buffer("scratch", torch.ones(3), persistent=False)
+    buffers_expected = {k: v.clone() for k, v in with_buffers.state_dict().items()}
+    out_buffers = os.path.join(out_dir, "saved_buffers")
+    strategy.save_model(strategy.prepare(with_buffers), None, out_buffers)
     if rank == 0:
         plain = make_model(init_seed=7)
         strategy.load_model(plain, os.path.join(out, "pytorch_model.bin"), strict=True)
@@ -1068,6 +1081,8 @@ def worker_save_model(results, rank, out_dir):
             pretrained_kwargs=pretrained_kwargs,
             pretrained_saved=torch.load(os.path.join(out_pretrained, "model.bin"), weights_only=True),
             pretrained_gathered=pretrained_gathered,
+            buffers_expected=buffers_expected,
+            buffers_saved=torch.load(os.path.join(out_buffers, "pytorch_model.bin"), weights_only=True),
         )
     else:
         results["save_model_zero3"] = {}

@@ -41,14 +41,9 @@ SHARDED_BY_STAGE = {
 
 def theory(stage: int, bf16: bool, world: int) -> dict:
     """Bytes per parameter on one rank, by the paper's formula (fp32: no separate master copy)."""
-    shard = lambda partitioned: 1 / world if partitioned else 1  # noqa: E731
-    return {
-        "parameters": (2 if bf16 else 4) * shard(stage >= 3),
-        "gradients": (2 if bf16 else 4) * shard(stage >= 2),
-        "fp32 master": (4 if bf16 else 0) * shard(stage >= 1),
-        "Adam moments": 8 * shard(stage >= 1),
-        "other": 0,
-    }
+    unsharded = {"parameters": 2 if bf16 else 4, "gradients": 2 if bf16 else 4, "fp32 master": 4 if bf16 else 0}
+    unsharded.update({"Adam moments": 8, "other": 0})
+    return {c: b / world if c in SHARDED_BY_STAGE[stage] else b for c, b in unsharded.items()}
 
 
 def category(path: str) -> str:

@@ -54,7 +54,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 try:  # seeded and checkpointed when present; DeepSpeed itself requires NumPy, so vendoring adds nothing
     import numpy
@@ -76,9 +76,26 @@ OVERLAP_COMM = False  # reduce gradients while the backward pass still runs: fas
 GRAD_ACCUM_DTYPE = None  # dtype gradients accumulate in ("fp32", "bf16", "fp16"); None: the weights' dtype
 LOCAL_RANK = -1  # -1: take the local rank from the launcher's LOCAL_RANK environment variable
 
+# Where launchers put the world size and this process's rank on its node: torchrun and the deepspeed launcher,
+# then MPI launchers (Open MPI, MVAPICH, MPICH and Intel MPI), whose variables exist before DeepSpeed's discovery.
+WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+# Flags of OpenRLHF's parsers for what this file leaves out, with the value that means "off". get_strategy refuses
+# any other value rather than ignore it.
+LEFT_OUT = {
+    "ring_attn_size": (1, "ring attention (sequence parallelism)"),
+    "ds_tensor_parallel_size": (1, "DeepSpeed tensor parallelism"),
+    "zpg": (1, "ZeRO++ hierarchical weight partitioning"),
+    "use_ds_universal_ckpt": (False, "DeepSpeed universal checkpoints"),
+    "deepcompile": (False, "DeepSpeed's compiler (deepcompile)"),
+}
+
 # Files a checkpoint folder holds besides DeepSpeed's own.
 RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which DeepSpeed does not save
 DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
+STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
+REPLACED = ".replaced"  # an older <tag> while the new one takes its name
 
 
 class DeepspeedStrategy:
@@ -157,6 +174,7 @@ class DeepspeedStrategy:
         self.world_size = None  # known after setup_distributed()
         self.accumulated_gradient = None  # micro-steps per optimizer step, known after setup_distributed()
         self.is_rlhf = False
+        self._ema_calls = 0  # moving_average() updates on every accumulated_gradient-th call
 
     # ---------------------------------------------------------------------------------------------------------
     # Seeding and distributed set-up
@@ -187,7 +205,7 @@ class DeepspeedStrategy:
 
         # Launchers export the rendezvous variables. Without one, describe a one-process world ourselves, or
         # deepspeed.init_distributed() goes looking for MPI. MPI launchers (mpirun) set their own variables.
-        if not any(name in os.environ for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+        if not any(name in os.environ for name in WORLD_SIZE_VARS):
             for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
                 os.environ.setdefault(name, value)
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -195,17 +213,34 @@ class DeepspeedStrategy:
         # The deepspeed launcher passes --local_rank; it takes precedence over the environment.
         if self.local_rank != -1:
             os.environ["LOCAL_RANK"] = str(self.local_rank)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
 
         if not dist.is_initialized():
             # Check the batch sizes against the launcher's world size before the rendezvous: a rank that raised
             # inside it would leave the others waiting for the whole timeout.
-            if "WORLD_SIZE" in os.environ:
-                self._set_world_size(int(os.environ["WORLD_SIZE"]))
+            launched_world_size = next((os.environ[n] for n in WORLD_SIZE_VARS if n in os.environ), None)
+            if launched_world_size is not None:
+                self._set_world_size(int(launched_world_size))
             # nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory all-reduce for ranks on one host.
-            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+            # Under mpirun this is also where DeepSpeed discovers the ranks and sets LOCAL_RANK.
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            try:
+                deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+            except dist.DistNetworkError as error:
+                if "EADDRINUSE" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"port {where} is already in use, perhaps by another run on this machine: start with another "
+                    f"port, for example --master_port {_free_port()} (the deepspeed launcher and torchrun both take it)"
+                ) from error
+            except dist.DistStoreError as error:
+                raise RuntimeError(
+                    f"not every rank arrived at {where} within {timeout} ({error}): check that all were started, "
+                    "with the same --master_addr and --master_port"
+                ) from error
         self._set_world_size(dist.get_world_size())
+        # Only now is the local rank known under every launcher: it picks the device and each node's writer.
+        self.local_rank = int(next((os.environ[n] for n in LOCAL_RANK_VARS if n in os.environ), "0"))
+        get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
 
     def teardown(self) -> None:
         """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
@@ -245,10 +280,10 @@ class DeepspeedStrategy:
             "offload_optimizer": {"device": "cpu" if self.adam_offload else "none", "pin_memory": True},
             # ZeRO 3 only: let save_model() gather the full weights on rank 0 instead of saving shards.
             "stage3_gather_16bit_weights_on_model_save": True,
+            # Reduce gradient buckets while the backward pass still runs. Written either way: DeepSpeed's default
+            # differs by stage (on at 3, off below), and an unwritten False would silently mean True at stage 3.
+            "overlap_comm": self.overlap_comm,
         }
-        if self.overlap_comm:
-            zero["overlap_comm"] = True  # reduce gradient buckets while the backward pass is still running
-            zero["contiguous_gradients"] = True  # copy gradients into one flat buffer as they are produced
         config = {
             "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
             # Samples per optimizer step; DeepSpeed derives the accumulation steps as this / (micro * world size).
@@ -290,16 +325,21 @@ class DeepspeedStrategy:
     def create_optimizer(self, model: torch.nn.Module, **kwargs) -> torch.optim.Optimizer:
         """AdamW over two parameter groups: weight decay on weight matrices and embeddings, none on biases and
         norm weights (every parameter with fewer than two dimensions). kwargs go to the optimizer (lr, betas,
-        eps, weight_decay).
+        eps, weight_decay). The model may already be sharded: built under deepspeed.zero.Init (as Hugging Face's
+        from_pretrained does at ZeRO 3) or prepared.
 
         adam_offload: DeepSpeedCPUAdam, a vectorised CPU Adam (compiled on first use). CUDA: torch's fused AdamW,
         one kernel for all parameters. Elsewhere (CPU): torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
         params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
+        # A ZeRO 3 shard has shape (0,); ds_shape is its full shape.
+        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for p, m in zip(params, is_matrix) if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in zip(params, is_matrix) if not m], "weight_decay": 0.0},
         ]
+        # DeepSpeed drops an empty group, and a scheduler built on this optimizer would then count one too many.
+        groups = [group for group in groups if group["params"]]
         if self.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -336,30 +376,35 @@ class DeepspeedStrategy:
                 "pass the bare model for an eval engine"
             )
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
+            model=_engine(model),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.get_ds_train_config(),
         )
-        return engine, optimizer, scheduler
+        return _in_actor(model, engine), optimizer, scheduler
 
     def _init_eval_engine(self, model):
         # OpenRLHF marks a frozen model whose weights may live in CPU memory with an `_offload` attribute.
         engine, *_ = deepspeed.initialize(
-            model=model, config=self.get_ds_eval_config(getattr(model, "_offload", False))
+            model=_engine(model), config=self.get_ds_eval_config(getattr(model, "_offload", False))
         )
-        return engine
+        return _in_actor(model, engine)
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
         """Backward through the engine: it divides the loss by the accumulation steps and, at ZeRO 2 and 3,
         reduces the gradients to their owning ranks."""
-        model.backward(loss)
+        _engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
         """One micro-step of the engine. On the last micro-step of an accumulation it averages the gradients
         over ranks, clips them to max_norm, steps the optimizer and the scheduler, and zeroes the gradients."""
-        model.step()
+        _engine(model).step()
 
     @staticmethod
     def _unwrap_model(model) -> torch.nn.Module:
-        return model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
+        """The plain module inside an engine, an OpenRLHF Actor, or both."""
+        engine = _engine(model)
+        return engine.module if isinstance(engine, deepspeed.DeepSpeedEngine) else engine
 
     # ---------------------------------------------------------------------------------------------------------
     # Rank helpers and collectives
@@ -379,35 +424,61 @@ class DeepspeedStrategy:
     def all_reduce(self, data, op: str = "mean"):
         """Reduce a tensor, a Python number or a dict of them over all ranks with "mean", "max" or "sum".
 
-        Returns the same kind it was given (a tensor on the tensor's own device, a number, a dict) and leaves
-        the caller's tensors untouched."""
+        Returns the same kind it was given (a tensor on the tensor's own device, a number, a dict paired by key)
+        and leaves the caller's tensors untouched. Bools and integers reduce exactly: a sum is an int64 count,
+        a mean is float64, a max keeps the dtype."""
         if op not in ("mean", "max", "sum"):
             raise ValueError(f"all_reduce op {op!r} must be 'mean', 'max' or 'sum'")
         if isinstance(data, dict):
-            return {key: self.all_reduce(value, op) for key, value in data.items()}
-        if not isinstance(data, torch.Tensor):
-            # float64 holds every int below 2**53 exactly, so counts survive the round trip.
-            reduced = self.all_reduce(torch.tensor(data, dtype=torch.float64), op).item()
-            return int(reduced) if isinstance(data, int) and op != "mean" else reduced
+            reduced = {key: self.all_reduce(data[key], op) for key in self._keys_in_rank_order(data, "all_reduce")}
+            return {key: reduced[key] for key in data}  # in the caller's order
+        if not isinstance(data, torch.Tensor):  # Python bool, int or float: a float64 for floats, exact otherwise
+            return self.all_reduce(torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None), op).item()
         self._require_process_group("all_reduce")
-        tensor = data.detach().to(get_accelerator().current_device_name(), copy=True)
+        exact = not data.is_floating_point() and not data.is_complex()  # bool or integer
+        tensor = data.detach().to(get_accelerator().current_device_name(), torch.int64 if exact else None, copy=True)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         if op == "mean":
-            tensor = tensor / self.world_size
+            tensor = (tensor.double() if exact else tensor) / self.world_size
+        elif op == "max":
+            tensor = tensor.to(data.dtype)
         return tensor.to(data.device)
 
     def all_gather(self, data):
         """Gather a tensor, a Python number or a dict of them from all ranks, concatenated along the first
-        dimension in rank order (a number or 0-d tensor becomes a tensor of world_size elements)."""
+        dimension in rank order (a number or 0-d tensor becomes a tensor of world_size elements). The first
+        dimension may differ between ranks; the other dimensions and the dtype may not."""
         if isinstance(data, dict):
-            return {key: self.all_gather(value) for key, value in data.items()}
+            gathered = {key: self.all_gather(data[key]) for key in self._keys_in_rank_order(data, "all_gather")}
+            return {key: gathered[key] for key in data}
         if not isinstance(data, torch.Tensor):
             data = torch.tensor([data], dtype=torch.float64 if isinstance(data, float) else None)
         self._require_process_group("all_gather")
         local = data.detach().to(get_accelerator().current_device_name()).reshape(-1, *data.shape[1:])
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        return torch.cat(gathered).to(data.device)
+        shapes = [None] * self.world_size
+        dist.all_gather_object(shapes, (tuple(local.shape), str(local.dtype)))
+        if len({(shape[1:], dtype) for shape, dtype in shapes}) > 1:
+            raise ValueError(
+                f"all_gather needs the same dtype and the same sizes after the first dimension on every rank; got "
+                f"(shape, dtype) per rank: {shapes}"
+            )
+        # Collectives move equal sizes: pad every rank's rows to the longest, then cut each back.
+        longest = max(shape[0] for shape, _ in shapes)
+        padded = torch.cat([local, local.new_zeros(longest - len(local), *local.shape[1:])])
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded)
+        return torch.cat([rows[: shape[0]] for rows, (shape, _) in zip(gathered, shapes)]).to(data.device)
+
+    def _keys_in_rank_order(self, data: dict, what: str) -> list:
+        """data's keys in one order shared by every rank (sorted), after checking that every rank has the same
+        keys: values are reduced key by key, and two ranks that disagree would pair unrelated values."""
+        self._require_process_group(what)
+        keys = sorted(data, key=repr)
+        every_rank = [None] * self.world_size
+        dist.all_gather_object(every_rank, [repr(key) for key in keys])
+        if any(rank_keys != every_rank[0] for rank_keys in every_rank):
+            raise ValueError(f"{what} of a dict needs the same keys on every rank; got per rank: {every_rank}")
+        return keys
 
     def _require_process_group(self, what: str) -> None:
         if self.world_size is None or not dist.is_initialized():
@@ -429,7 +500,7 @@ class DeepspeedStrategy:
         consumed_samples, counted over all ranks, skips that many samples at the start of the epoch, so a resumed
         run continues where it stopped. Call loader.sampler.set_epoch(epoch) at the start of each later epoch."""
         if sampler is None:
-            sampler = ResumableDistributedSampler(
+            sampler = DistributedSampler(
                 dataset,
                 num_replicas=self.world_size or 1,
                 rank=self.get_rank(),
@@ -455,64 +526,65 @@ class DeepspeedStrategy:
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
-        (your loop's counters), and every rank's random generators. All ranks must call it.
+        (your loop's counters), and every rank's random generators. All ranks must call it, and save_dir must be
+        on a filesystem every rank sees (one shared by all nodes).
 
-        The folder save_dir/tag (default tag: global_step<N>) is marked complete only once every rank has
-        written, and only then does save_dir/latest point to it, so a crash while saving leaves the previous
-        checkpoint usable. Afterwards the oldest checkpoints are deleted until at most max_num of them, and at most
-        max_mem GB, remain; the new one and the one 'latest' names are never deleted, nor anything in save_dir
-        that is not a checkpoint of ours."""
+        Every rank writes into save_dir/<tag>.saving (default tag: global_step<N>). Once all have, rank 0 writes
+        checkpoint_complete.json (what a loader must know, and every file's size), swaps the folder in as
+        save_dir/<tag>, and only then points save_dir/latest at it. A crash at any moment, also while saving
+        over an existing tag, leaves the previous complete checkpoint loadable. Afterwards the oldest complete
+        checkpoints are deleted until at most max_num of them, and at most max_mem GB, remain; the new one and
+        the one 'latest' names are never deleted, nor anything in save_dir that is not a checkpoint of ours."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
+        model = _engine(model)
         tag = str(tag) if tag is not None else f"global_step{model.global_steps}"
-        ckpt_dir = os.path.join(save_dir, tag)
-        # Each node's local rank 0 writes the shared markers: without a shared filesystem every node has its own.
-        writes_markers = self.local_rank == 0
-        if writes_markers:
-            # Saving over an existing tag: it stops counting as complete until this save has finished.
-            os.makedirs(ckpt_dir, exist_ok=True)
-            _remove_if_present(os.path.join(ckpt_dir, DONE_FILE))
+        staging = tag + STAGING
+        if self.is_rank_0():
+            shutil.rmtree(os.path.join(save_dir, staging), ignore_errors=True)  # left by a save that crashed
+            os.makedirs(os.path.join(save_dir, staging))
         dist.barrier()
-
-        torch.save(_get_rng_states(), os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank())))
-        model.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+        torch.save(_get_rng_states(), os.path.join(save_dir, staging, RNG_FILE.format(rank=self.get_rank())))
+        model.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
         dist.barrier()  # every rank's files are on disk
-
-        if writes_markers:
-            _write_atomically(os.path.join(ckpt_dir, DONE_FILE), json.dumps({"world_size": self.world_size}))
-            if save_latest:
-                _write_atomically(os.path.join(save_dir, "latest"), tag)
+        if self.is_rank_0():  # one writer for every shared file
+            self._commit_checkpoint(model, save_dir, tag, save_latest)
+            self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
         dist.barrier()
-        self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+
+    def _commit_checkpoint(self, model, save_dir, tag, save_latest):
+        folder = os.path.join(save_dir, tag)
+        files = {
+            os.path.relpath(os.path.join(root, name), folder + STAGING): os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(folder + STAGING)
+            for name in names
+        }
+        done = {"world_size": self.world_size, "zero_stage": self.stage, "bf16": self.bf16, "files": files}
+        _write_atomically(os.path.join(folder + STAGING, DONE_FILE), json.dumps(done, indent=1))
+        if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
+            shutil.rmtree(folder + REPLACED, ignore_errors=True)
+            os.rename(folder, folder + REPLACED)
+        os.rename(folder + STAGING, folder)
+        if save_latest:
+            _write_atomically(os.path.join(save_dir, "latest"), tag)
+        shutil.rmtree(folder + REPLACED, ignore_errors=True)
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
-        # Rank 0 decides and every rank learns the same list; each node's local rank 0 deletes its copy.
-        doomed = []
-        if self.is_rank_0():
-            protected = {keep, _read_latest(save_dir)}
-            # Ours are the folders holding rank 0's RNG file, which save_ckpt writes first; its age orders them.
-            first_file = {name: os.path.join(save_dir, name, RNG_FILE.format(rank=0)) for name in os.listdir(save_dir)}
-            ours = sorted(
-                (n for n, path in first_file.items() if os.path.isfile(path)),
-                key=lambda n: os.path.getmtime(first_file[n]),
-            )
-            sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
-            count, total = len(ours), sum(sizes.values())
-            for name in ours:  # oldest first
-                if count <= max_num and total <= max_bytes:
-                    break
-                if name not in protected:
-                    doomed.append(name)
-                    count, total = count - 1, total - sizes[name]
-        box = [doomed]
-        dist.broadcast_object_list(box, src=0)
-        if self.local_rank == 0:
-            for name in box[0]:
-                try:
-                    shutil.rmtree(os.path.join(save_dir, name))
-                except FileNotFoundError:  # another node removed it from a shared filesystem first
-                    pass
-        dist.barrier()
+        # Ours are the complete folders; the time their completion marker was written orders them.
+        protected = {keep, _read_latest(save_dir)}
+        done = {name: os.path.join(save_dir, name, DONE_FILE) for name in os.listdir(save_dir)}
+        ours = sorted(
+            (n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))),
+            key=lambda n: os.path.getmtime(done[n]),
+        )
+        sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
+        count, total = len(ours), sum(sizes.values())
+        for name in ours:  # oldest first
+            if count <= max_num and total <= max_bytes:
+                break
+            if name not in protected:
+                shutil.rmtree(os.path.join(save_dir, name))
+                count, total = count - 1, total - sizes[name]
 
     def load_ckpt(
         self,
@@ -524,62 +596,87 @@ class DeepspeedStrategy:
         load_lr_scheduler_states=True,
         load_module_only=False,
     ):
-        """Load a checkpoint written by save_ckpt (the one save_dir/latest names when tag is None) into a
+        """Load a checkpoint written by save_ckpt (the one load_dir/latest names when tag is None) into a
         prepared engine and restore this rank's random generators. Returns (load_path, client_state).
+        load_module_only=True loads the weights alone, at every ZeRO stage and from any number of ranks.
 
-        A missing or incomplete checkpoint raises FileNotFoundError on every rank, naming the folder."""
+        A missing, incomplete or truncated checkpoint, or one saved by another number of ranks, raises
+        FileNotFoundError on every rank, naming the folder or file.
+
+        Load only checkpoints you trust: DeepSpeed reads its files with pickle (torch.load with
+        weights_only=False), so a crafted checkpoint runs code while it loads. To exchange weights with others,
+        use save_model and load_model, which read tensors only."""
+        model = _engine(model)
         tag = str(tag) if tag is not None else _read_latest(load_dir)
+        folder, problem = self._find_checkpoint(load_dir, tag, load_module_only)
         problems = [None] * self.world_size
-        dist.all_gather_object(problems, self._checkpoint_problem(load_dir, tag, load_module_only))
+        dist.all_gather_object(problems, problem)
         first = next((p for p in problems if p is not None), None)
         if first is not None:  # every rank raises, even one whose own files are fine, so none waits alone
             raise FileNotFoundError(first)
 
         load_path, client_state = model.load_checkpoint(
             load_dir,
-            tag,
+            folder,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
-        rng_file = os.path.join(load_dir, tag, RNG_FILE.format(rank=self.get_rank()))
+        if load_module_only and _is_zero3(model):
+            # A ZeRO 3 checkpoint's module file holds no weights: rebuild them from the optimizer's fp32 shards.
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, folder) if self.is_rank_0() else None
+            self._load_state_dict(model, full, load_module_strict, source=os.path.join(load_dir, folder))
+        rng_file = os.path.join(load_dir, folder, RNG_FILE.format(rank=self.get_rank()))
         if os.path.isfile(rng_file):
             _set_rng_states(torch.load(rng_file, weights_only=True))
         return load_path, client_state
 
-    def _checkpoint_problem(self, load_dir, tag, load_module_only):
-        """Why this rank cannot load the checkpoint, or None. tag is None when load_dir has no 'latest' file."""
+    def _find_checkpoint(self, load_dir, tag, load_module_only):
+        """(the folder in load_dir holding tag's complete checkpoint, None) or (None, why this rank cannot load
+        it). tag is None when load_dir has no 'latest' file."""
         if tag is None:
-            return f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
-        ckpt_dir = os.path.join(load_dir, tag)
-        try:
-            with open(os.path.join(ckpt_dir, DONE_FILE)) as f:
-                saved_world_size = json.load(f)["world_size"]
-        except (OSError, ValueError, KeyError):
-            return (
-                f"checkpoint {ckpt_dir} is missing or incomplete (no {DONE_FILE}: the run may have stopped while "
-                "saving it); load an earlier tag"
+            return None, f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
+        # A save over an existing tag that crashed while swapping folders left a complete one under another name.
+        for folder in (tag, tag + STAGING, tag + REPLACED):
+            try:
+                with open(os.path.join(load_dir, folder, DONE_FILE)) as f:
+                    done = json.load(f)
+                break
+            except (OSError, ValueError):
+                continue
+        else:
+            return None, (
+                f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as rank {self.get_rank()} on "
+                f"{socket.gethostname()} sees it (no {DONE_FILE}): the run may have stopped while saving it, or this "
+                "node cannot see the folder (checkpoints need a filesystem every node shares); load an earlier tag"
             )
-        if saved_world_size != self.world_size and not load_module_only:
-            return (
-                f"checkpoint {ckpt_dir} was saved by {saved_world_size} ranks and this run has {self.world_size}: "
+        ckpt_dir = os.path.join(load_dir, folder)
+        if done["world_size"] != self.world_size and not load_module_only:
+            return None, (
+                f"checkpoint {ckpt_dir} was saved by {done['world_size']} ranks and this run has {self.world_size}: "
                 "resume with the same number of ranks, or pass load_module_only=True for the weights alone"
             )
-        return None
+        if self.local_rank == 0:  # once per node: every file there, at the size it was written
+            for name, size in done.get("files", {}).items():
+                path = os.path.join(ckpt_dir, name)
+                found = os.path.getsize(path) if os.path.isfile(path) else None
+                if found != size:
+                    state = "is missing" if found is None else f"has {found} bytes where the save wrote {size}"
+                    return None, f"checkpoint file {path} {state} (seen from {socket.gethostname()}); load an earlier tag"
+        return folder, None
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights, gathered from every rank at ZeRO 3, to output_dir: pytorch_model.bin (a state
         dict) for a plain module, or through model.save_pretrained(output_dir, state_dict=...) when it has one; a
-        tokenizer with save_pretrained is saved beside it. Rank 0 writes each file to a temporary name and renames
-        it, so no reader sees a partial file. All ranks must call it; all return once the files are complete."""
+        tokenizer with save_pretrained is saved beside it. The keys are module.state_dict()'s at every stage, and
+        tensors the model shares (tied embeddings) are written once and stay shared. Rank 0 writes each file to
+        a temporary name and renames it, so no reader sees a partial file. All ranks must call it; all return
+        once the files are complete. This, with load_model, is the safe way to exchange weights."""
         module = self._unwrap_model(model)
-        if isinstance(model, deepspeed.DeepSpeedEngine) and model.zero_optimization_partition_weights():
-            state_dict = self._gather_zero3_state_dict(module)  # collective: full weights on rank 0
-        elif self.is_rank_0():
-            # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
-            state_dict = {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
-
+        state_dict = self._full_state_dict(model)  # collective at ZeRO 3
         if self.is_rank_0():
             os.makedirs(output_dir, exist_ok=True)
             staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)  # same filesystem, so renames are atomic
@@ -597,25 +694,37 @@ class DeepspeedStrategy:
         if dist.is_initialized():
             dist.barrier()
 
-    def _gather_zero3_state_dict(self, module) -> dict:
-        """The full state dict of a ZeRO 3 module on rank 0 ({} elsewhere), gathering one submodule's parameters
-        at a time so no rank ever holds the whole model. The gather is read-only (modifier_rank=None), through
-        DeepSpeed's public API: its private _zero3_consolidated_16bit_state_dict gathers the same way but then
-        broadcasts every weight back to every rank, which a save does not need."""
+    def _full_state_dict(self, model) -> dict:
+        """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere). Every key is kept, also those of a
+        module registered under two names, and a tensor behind several keys is copied once, so ties survive.
+
+        At ZeRO 3 the parameters are gathered one submodule at a time, so no rank ever holds the whole model, and
+        read-only (modifier_rank=None) through DeepSpeed's public API: its private
+        _zero3_consolidated_16bit_state_dict gathers the same way but then broadcasts every weight back to every
+        rank, which a save does not need. Buffers are never sharded."""
+        module = self._unwrap_model(model)
+        copies = {}  # id of a parameter or buffer -> its full copy on CPU
+        if _is_zero3(model):
+            for submodule in module.modules():
+                params = list(submodule.parameters(recurse=False))
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                    if self.is_rank_0():
+                        copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
+        if not self.is_rank_0():
+            return {}
         state_dict = {}
-        for prefix, submodule in module.named_modules():
-            params = dict(submodule.named_parameters(prefix=prefix, recurse=False))
-            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                if self.is_rank_0():
-                    state_dict.update({name: p.detach().cpu().clone() for name, p in params.items()})
-        if self.is_rank_0():  # buffers are never partitioned; the state dict holds the persistent ones
-            full_keys = module.state_dict(keep_vars=True).keys()
-            state_dict.update({n: b.detach().cpu().clone() for n, b in module.named_buffers() if n in full_keys})
+        for key, value in module.state_dict(keep_vars=True).items():
+            if id(value) not in copies:
+                # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
+                copies[id(value)] = value.detach().cpu().clone()
+            state_dict[key] = copies[id(value)]
         return state_dict
 
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
-        """Load a state dict file into model (a plain module or an engine). The file is read with
-        weights_only=True: one that carries Python objects beyond tensors is refused, and its code never runs."""
+        """Load a state dict file into model (a plain module or an engine; an engine's optimizer then trains on
+        from the loaded weights). The file is read with weights_only=True: one that carries Python objects beyond
+        tensors is refused, and its code never runs. A file none of whose keys the model has is refused even
+        with strict=False; otherwise rank 0 reports the keys that were missing or unexpected."""
         try:
             state_dict = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
@@ -625,18 +734,73 @@ class DeepspeedStrategy:
             ) from None
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
+        self._load_state_dict(model, state_dict, strict, source=path)
+
+    def _load_state_dict(self, model, state_dict, strict, source) -> None:
+        """Load state_dict into model's weights and, for a training engine, into its optimizer's fp32 master
+        copy, which the next step would otherwise write back over the loaded weights. At ZeRO 3 only rank 0's
+        state_dict is read (the others may pass None): its values reach every rank's shard."""
         module = self._unwrap_model(model)
-        if isinstance(model, deepspeed.DeepSpeedEngine) and model.zero_optimization_partition_weights():
-            # ZeRO 3: gather each full parameter, load into it, and let rank 0's values go back to every shard.
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                module.load_state_dict(state_dict, strict=strict)
-        else:
-            module.load_state_dict(state_dict, strict=strict)
+        zero3 = _is_zero3(model)
+        problem = None
+        if state_dict is not None and not set(state_dict) & set(module.state_dict()):
+            problem = (
+                f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
+                f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... "
+                "(rename them with key_replace_fn)"
+            )
+        if zero3:  # rank 0 alone may know; every rank must raise before the gather below
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise ValueError(problem)
+        # ZeRO 3: gather each full parameter, load into it on rank 0, and let its values go back to every shard.
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0, enabled=zero3):
+            if state_dict is not None:
+                result = module.load_state_dict(state_dict, strict=strict)
+                if result.missing_keys or result.unexpected_keys:
+                    self.print(
+                        f"loaded {source} with {len(result.missing_keys)} missing keys {result.missing_keys[:5]} and "
+                        f"{len(result.unexpected_keys)} unexpected keys {result.unexpected_keys[:5]}"
+                    )
+        optimizer = getattr(_engine(model), "optimizer", None)
+        if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
+            optimizer.refresh_fp32_params()
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """torch's DistributedSampler that can start an epoch part-way: the first consumed_samples samples of the
-    epoch, counted over all ranks, are skipped, each rank skipping its own share."""
+    # ---------------------------------------------------------------------------------------------------------
+    # OpenRLHF's contracts: what its SFT, reward-model, DPO and PPO trainers use beyond the training path
+
+    @property
+    def ring_attn_group(self):
+        """The process group of ring attention (sequence parallelism), which this file leaves out: None, which
+        OpenRLHF's models read as "no ring attention". get_strategy refuses --ring_attn_size above 1."""
+        return None
+
+    def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
+        """An exponential moving average of model's weights in model_ema, as OpenRLHF's PPO keeps one: on every
+        accumulated_gradient-th call (once per optimizer step), each trainable weight of model_ema becomes
+        beta * itself + (1 - beta) * model's, computed on device. All ranks must call it. At ZeRO 3 it gathers
+        one pair of weights at a time and writes the result back to every rank's shard."""
+        self._ema_calls += 1
+        if self._ema_calls % self.accumulated_gradient:
+            return
+        pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
+        with torch.no_grad():
+            for param, ema in pairs:
+                if not param.requires_grad:
+                    continue
+                # No-ops for weights that are not sharded. The EMA's gather keeps rank 0's result on exit.
+                with deepspeed.zero.GatheredParameters([param]), deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
+                    ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
+
+
+class DistributedSampler(torch.utils.data.DistributedSampler):
+    """torch's DistributedSampler that can start an epoch part-way, under the name and signature OpenRLHF's
+    trainers import: set_epoch(epoch, consumed_samples) skips the first consumed_samples samples of that
+    epoch, counted over all ranks, each rank skipping its own share. A loader whose trainer never calls
+    set_epoch still gets a new order each epoch: iterating again without it starts the next epoch."""
 
     def __init__(self, dataset, num_replicas, rank, shuffle, seed, drop_last, consumed_samples=0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
@@ -645,12 +809,52 @@ class ResumableDistributedSampler(DistributedSampler):
     def set_epoch(self, epoch: int, consumed_samples: int = 0) -> None:
         super().set_epoch(epoch)
         self.skip = consumed_samples // self.num_replicas
+        self.epoch_was_set = True
 
     def __iter__(self):
+        if not self.epoch_was_set:
+            self.set_epoch(self.epoch + 1)
+        self.epoch_was_set = False
         return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.skip)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# OpenRLHF's Actor: a module that keeps the model it trains in its `model` attribute. Its prepare() puts the
+# engine there (actor.model = engine) and returns the Actor, and every method then reaches the engine through it.
+
+
+def _actor_inner(model):
+    """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
+    a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
+    if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
+        return None
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
+        return None
+    own = {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
+    return None if own else inner
+
+
+def _in_actor(model, engine):
+    """What prepare() returns: the Actor holding the engine when model is an Actor, else the engine."""
+    if _actor_inner(model) is None:
+        return engine
+    model.model = engine
+    return model
+
+
+def _engine(model):
+    """The engine (or module) behind an Actor; anything else as it is."""
+    inner = _actor_inner(model)
+    return model if inner is None else inner
+
+
+def _is_zero3(model) -> bool:
+    engine = _engine(model)
+    return isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_partition_weights()
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -689,8 +893,9 @@ def _set_rng_states(states: dict) -> None:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    # A name no other process can pick: pids repeat across containers and nodes.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -703,13 +908,6 @@ def _read_latest(save_dir: str):
             return f.read().strip()
     except FileNotFoundError:
         return None
-
-
-def _remove_if_present(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def _folder_bytes(path: str) -> int:
@@ -729,6 +927,12 @@ def get_strategy(args) -> DeepspeedStrategy:
             "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "
             "and run with, for example, --zero_stage 2"
         )
+    for flag, (off, feature) in LEFT_OUT.items():
+        if getattr(args, flag, off) != off:
+            raise ValueError(
+                f"--{flag} {getattr(args, flag)!r} asks for {feature}, which get_strategy.py does not do: "
+                f"leave it at {off!r}, or use OpenRLHF's own strategy"
+            )
     return DeepspeedStrategy(
         seed=getattr(args, "seed", SEED),
         full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -224,6 +225,7 @@ def test_train_config_for_each_stage(stage):
             "stage": stage,
             "offload_optimizer": {"device": "none", "pin_memory": True},
             "stage3_gather_16bit_weights_on_model_save": True,
+            "overlap_comm": False,
         },
         "bf16": {"enabled": False},
         "steps_per_print": 1 << 30,
@@ -254,7 +256,6 @@ def test_train_config_with_every_option_on():
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "stage3_gather_16bit_weights_on_model_save": True,
             "overlap_comm": True,
-            "contiguous_gradients": True,
         },
         "bf16": {"enabled": True},
         "steps_per_print": 1 << 30,
@@ -357,6 +358,107 @@ def test_load_model_reads_a_state_dict_into_a_plain_module(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("ring_attn_size", 2), ("ds_tensor_parallel_size", 2), ("zpg", 8), ("use_ds_universal_ckpt", True), ("deepcompile", True)],
+)
+def test_an_openrlhf_flag_for_a_left_out_feature_is_refused_unless_off(flag, value):
+    with pytest.raises(ValueError, match=f"--{flag} {value!r} asks for .* which get_strategy.py does not do"):
+        get_strategy(argparse.Namespace(zero_stage=2, **{flag: value}))
+    off = {"ring_attn_size": 1, "ds_tensor_parallel_size": 1, "zpg": 1}.get(flag, False)
+    get_strategy(argparse.Namespace(zero_stage=2, **{flag: off}))  # OpenRLHF's parser defaults pass
+
+
+class Actor(torch.nn.Module):
+    """OpenRLHF's Actor contract: the trained model lives in `.model`; the wrapper has no weights of its own."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class HuggingFaceLike(torch.nn.Module):
+    """A causal LM as transformers lays it out: a backbone in `.model`, a head beside it, save_pretrained."""
+
+    def __init__(self, tied=False):
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        if tied:  # then every weight is inside the backbone, as in a model with tied embeddings
+            self.lm_head.weight = self.model[0].weight
+
+    def save_pretrained(self, directory, state_dict=None):
+        torch.save(state_dict, os.path.join(directory, "model.bin"))
+
+
+def test_an_actor_is_unwrapped_but_a_hugging_face_models_backbone_is_not():
+    from get_strategy import _actor_inner
+
+    inner = make_model()
+    assert _actor_inner(Actor(inner)) is inner
+    assert _actor_inner(HuggingFaceLike()) is None
+    assert _actor_inner(HuggingFaceLike(tied=True)) is None
+    with_head = Actor(make_model())
+    with_head.head = torch.nn.Linear(2, 2)  # weights of its own: a model that happens to name a part `model`
+    assert _actor_inner(with_head) is None
+    assert DeepspeedStrategy(zero_stage=2)._unwrap_model(Actor(inner)) is inner
+
+
+def test_load_model_refuses_a_file_none_of_whose_keys_the_model_has(tmp_path):
+    torch.save({"model." + k: v for k, v in make_model().state_dict().items()}, tmp_path / "prefixed.bin")
+    with pytest.raises(ValueError, match=r"none of the 6 keys in .*prefixed.bin is a key of the model"):
+        DeepspeedStrategy(zero_stage=0).load_model(make_model(), str(tmp_path / "prefixed.bin"))  # strict=False
+
+
+def test_load_model_reports_missing_and_unexpected_keys(tmp_path, capsys):
+    state = make_model(init_seed=1).state_dict()
+    state["extra.weight"] = state.pop("4.bias")
+    torch.save(state, tmp_path / "partial.bin")
+    target = make_model(init_seed=2)
+    DeepspeedStrategy(zero_stage=0).load_model(target, str(tmp_path / "partial.bin"))
+    assert "1 missing keys ['4.bias'] and 1 unexpected keys ['extra.weight']" in capsys.readouterr().out
+    assert torch.equal(target[0].weight, state["0.weight"])  # what matched did load
+
+
+def test_local_rank_comes_from_an_mpi_launchers_variables(clean_launch_env, monkeypatch):
+    # As after mpirun and DeepSpeed's discovery of the ranks: Open MPI's variables, no LOCAL_RANK of torch's.
+    for name, value in (("OMPI_COMM_WORLD_SIZE", "1"), ("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    strategy = get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))
+    strategy.setup_distributed()
+    assert strategy.local_rank == 1
+
+
+def test_marker_files_written_at_once_by_processes_with_equal_pids_all_land(tmp_path):
+    """Containers on different nodes often share pids; threads of one process share one for certain."""
+    import threading
+
+    from get_strategy import _write_atomically
+
+    errors = []
+
+    def write(text):
+        try:
+            for _ in range(300):
+                _write_atomically(str(tmp_path / "latest"), text)
+        except Exception as error:
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=write, args=(f"global_step{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert (tmp_path / "latest").read_text() in ("global_step0", "global_step1")
+    assert os.listdir(tmp_path) == ["latest"]  # no temporary file left behind
+
+
 # =============================================================================================================
 # Two processes: one launch of the "core" worker runs every case below in one process group.
 
@@ -453,6 +555,93 @@ def test_all_reduce_and_all_gather_return_what_hand_computation_gives(core_run):
         assert torch.equal(got["gather_scalar"], torch.tensor([0, 1]))
 
 
+def test_bools_and_integers_reduce_exactly(core_run):
+    for rank, got in enumerate(case(core_run, "collectives")):
+        assert torch.equal(got["bool_mean"], torch.tensor([0.5, 1.0], dtype=torch.float64))  # [rank == 0, True]
+        assert torch.equal(got["bool_sum"], torch.tensor([2, 2]))  # a count, int64
+        assert torch.equal(got["bool_max"], torch.tensor([True]))
+        assert torch.equal(got["int_mean"], torch.tensor(2**25 + 1, dtype=torch.float64))  # float32 would round it
+        assert got["python_bool_sum"] == 1 and type(got["python_bool_sum"]) is int
+
+
+def test_dicts_reduce_and_gather_by_key_whatever_their_order_on_each_rank(core_run):
+    for rank, got in enumerate(case(core_run, "collectives")):
+        assert got["dict_by_key"] == {"a": 2, "b": 200}
+        assert list(got["dict_by_key"]) == (["a", "b"] if rank == 0 else ["b", "a"])  # the caller's order
+        assert torch.equal(got["gather_dict_by_key"]["x"], torch.tensor([0, 1]))
+        assert torch.equal(got["gather_dict_by_key"]["y"], torch.tensor([0, -1]))
+        for name in ("keys_differ", "gather_keys_differ"):
+            assert "needs the same keys on every rank" in got[name], got[name]
+
+
+def test_all_gather_concatenates_tensors_of_different_lengths_in_rank_order(core_run):
+    for got in case(core_run, "collectives"):
+        assert torch.equal(got["ragged"], torch.tensor([0, 10, 11]))  # rank 0: [0], rank 1: [10, 11]
+        assert torch.equal(got["ragged_rows"], torch.tensor([[0.0] * 3, [1.0] * 3, [1.0] * 3]))
+        assert "same dtype and the same sizes after the first dimension" in got["gather_columns_differ"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_training_continues_from_weights_loaded_with_load_model(core_run, stage):
+    """At lr 0 a step must leave the loaded weights as they are; a stale fp32 master copy would write the old
+    ones back (stage 0 runs in bf16, where DeepSpeed keeps such a copy too)."""
+    loaded = make_model(init_seed=7).state_dict()
+    for got in case(core_run, f"load_model_then_step_stage{stage}"):
+        assert got["steps"] == 1
+        for name, value in got["params"].items():
+            assert torch.equal(value, loaded[name].to(value.dtype)), name
+
+
+def test_a_model_built_under_zero_init_gets_weight_decay_groups_and_trains_like_plain_pytorch(core_run):
+    expected, _ = reference_training()
+    for got in case(core_run, "zero_init"):
+        assert got["sharded_at_build"]
+        for name, value in expected.items():
+            assert (got["params"][name] - value).abs().max().item() < 1e-5, name
+
+
+def test_overlap_comm_false_turns_it_off_at_zero_3(core_run):
+    for got in case(core_run, "overlap_comm"):
+        assert got == {False: False, True: True}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_model_keeps_every_key_of_state_dict_and_writes_tied_weights_once(core_run, stage):
+    got = case(core_run, f"tied_stage{stage}")[0]
+    assert got["keys"] == list(got["expected"])  # block_again.* and head.weight included, as state_dict has them
+    for name, value in got["expected"].items():
+        assert torch.equal(got["saved"][name], value), name
+    assert got["tie_kept"]
+    # One copy of each distinct tensor: the embedding (512 x 256), the block's weight and bias, in fp32. A second
+    # copy of the head (524,288 bytes) or of the block (263,168) would show; pickling adds a few kilobytes.
+    distinct = (512 * 256 + 256 * 256 + 256) * 4
+    assert distinct < got["file_bytes"] < distinct + 64 * 1024
+
+
+def test_load_ckpt_module_only_loads_zero_3_weights(core_run):
+    for got in case(core_run, "module_only_zero3"):
+        for name, value in got["saved"].items():
+            assert torch.equal(got["loaded"][name], value), name
+
+
+def test_load_ckpt_module_only_loads_a_two_rank_zero_3_checkpoint_into_one_rank(core_run, clean_launch_env):
+    _, out = core_run
+    expected = case(core_run, "module_only_zero3")[0]["saved"]
+    strategy = get_strategy(argparse.Namespace(zero_stage=3, micro_train_batch_size=MICRO, train_batch_size=MICRO))
+    strategy.setup_distributed()
+    model = make_model(init_seed=999)
+    engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=LR), None))
+    strategy.load_ckpt(engine, str(out / "module_only"), load_module_only=True)
+    for name, value in full_params(engine).items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_node_that_cannot_see_rank_0s_files_refuses_the_checkpoint_on_every_rank(core_run):
+    for got in case(core_run, "node_local"):
+        assert got.startswith("FileNotFoundError: checkpoint file "), got
+        assert re.search(r"/(mp_rank_00_|zero_pp_rank_0_|rng_state_rank0)[^ ]* is missing", got), got  # rank 0's
+
+
 def test_dataloader_gives_each_rank_a_disjoint_seeded_shard_and_skips_consumed_samples(core_run):
     ranks = case(core_run, "dataloader")
     epoch0 = [r["epoch0"] for r in ranks]
@@ -463,6 +652,39 @@ def test_dataloader_gives_each_rank_a_disjoint_seeded_shard_and_skips_consumed_s
         assert r["resumed"] == r["epoch0"][4:]  # 8 consumed samples over 2 ranks: 4 of this rank's
         assert r["resumed_len"] == len(r["epoch0"]) // 2 - 2  # batches of 2
         assert r["epoch1"] != r["epoch0"]  # set_epoch reshuffles
+        assert r["never_set_epochs"][:2] == [r["epoch0"], r["epoch1"]]  # without set_epoch: the next epoch
+        assert r["never_set_epochs"][2] not in r["never_set_epochs"][:2]
+
+
+def test_the_sampler_has_openrlhfs_name_and_set_epoch_signature():
+    import inspect
+
+    from get_strategy import DistributedSampler
+
+    assert list(inspect.signature(DistributedSampler.set_epoch).parameters) == ["self", "epoch", "consumed_samples"]
+    assert issubclass(DistributedSampler, torch.utils.data.DistributedSampler)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_actor_trains_through_its_engine_like_plain_pytorch_and_saves_without_a_prefix(core_run, stage):
+    expected, _ = reference_training()
+    for rank, got in enumerate(case(core_run, f"actor_stage{stage}")):
+        assert got["returned_the_actor"] and got["holds"] == "DeepSpeedEngine"  # as OpenRLHF's prepare does
+        for name, value in expected.items():
+            assert (got["params"][name] - value).abs().max().item() < 1e-5, name
+        if rank == 0:
+            assert got["saved_keys"] == sorted(make_model().state_dict())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_moving_average_updates_once_per_optimizer_step_as_hand_computed(core_run, stage):
+    for got in case(core_run, f"moving_average_stage{stage}"):
+        for name, before in got["before"].items():
+            assert torch.equal(got["after_one_call"][name], before), name
+            expected = 0.9 * before + 0.1 * got["model"][name]
+            assert torch.allclose(got["after"][name], expected, rtol=0, atol=1e-7), name
+            if not torch.equal(got["model"][name], before):  # LayerNorm weights are 1 in both models
+                assert not torch.equal(got["after"][name], before), name
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -548,23 +770,34 @@ def test_prepare_returns_eval_engines_for_bare_models_and_a_list_for_several(cor
         assert got["eval_outputs_match_plain_module"] == [True, True]
 
 
-def test_a_crashed_rank_ends_the_launch_and_the_last_complete_checkpoint_loads(crash_run, core_run):
+def test_a_rank_killed_while_saving_over_the_latest_tag_leaves_the_previous_checkpoint_loadable(crash_run, core_run):
     out, returncode, output = crash_run
     assert returncode is not None, "the launch was still running a minute after it started"
     assert returncode != 0, output[-3000:]
-    assert sorted(n for n in os.listdir(out / "ckpt") if not n.endswith(".py")) == [
-        "global_step2",
-        "global_step4",
-        "latest",
-    ]
-    assert (out / "ckpt" / "latest").read_text() == "global_step2"  # not the one being written
-    assert not (out / "ckpt" / "global_step4" / "checkpoint_complete.json").exists()
+    assert sorted(n for n in os.listdir(out / "ckpt") if not n.endswith(".py")) == ["last", "last.saving", "latest"]
+    assert (out / "ckpt" / "latest").read_text() == "last"
+    assert not (out / "ckpt" / "last.saving" / "checkpoint_complete.json").exists()
     saved = torch.load(out / "params_at_step2.pt", weights_only=True)
     for got in case(core_run, "load_after_crash"):
-        assert got["load_path"].endswith("global_step2/mp_rank_00_model_states.pt")
+        assert got["load_path"].endswith("last/mp_rank_00_model_states.pt")
         assert got["global_steps"] == 2
         for name, value in saved.items():
             assert torch.equal(got["params"][name], value), name
+
+
+def test_a_busy_port_and_a_missing_rank_are_named_with_the_fix():
+    """One process, as rank 0 of the deepspeed launcher sees it: first its port is taken, then it waits alone."""
+    done = subprocess.run(
+        [PYTHON, "test_get_strategy.py", "--worker", "rendezvous", "-"],
+        cwd=HERE,
+        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    busy, alone = json.loads(done.stdout.splitlines()[-1])
+    assert re.search(r"port 127.0.0.1:\d+ is already in use.*--master_port \d+ \(the deepspeed launcher and torchrun", busy)
+    assert "not every rank arrived at 127.0.0.1:" in alone and "1/2 clients joined" in alone, alone
 
 
 def test_train_batch_size_mismatch_fails_fast_on_both_ranks():
@@ -685,6 +918,62 @@ def test_default_global_batch_is_32_rounded_up_to_whole_micro_steps(monkeypatch)
     for world_size, micro, expected in (("1", "8", 32), ("2", "8", 32), ("3", "8", 48), ("8", "8", 64), ("2", "5", 40)):
         monkeypatch.setenv("WORLD_SIZE", world_size)
         assert parse_args(["--micro_train_batch_size", micro]).train_batch_size == expected
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--micro_train_batch_size", "0"], "--micro_train_batch_size 0 must be at least 1"),
+        (["--logging_steps", "0"], "--logging_steps 0 must be at least 1"),
+        (["--n_head", "3"], "--n_head 3 must divide --n_embd 128 (try --n_head 2 or 4)"),
+        (["--data_bytes", "10"], "--data_bytes is too small: --block_size 128 cuts the 9 training bytes"),
+        (["--block_size", "100000"], "--block_size is too large: --block_size 100000 cuts the 1800000 training bytes"),
+        (["--max_steps", "0"], "--max_steps 0 must be at least 1"),
+        (["--save_path", "/sys"], "--save_path /sys is not writable"),  # sysfs refuses files, even to root
+        (["--save_steps", "5", "--ckpt_path", "/sys"], "--ckpt_path /sys is not writable"),
+        (["--eval_batches", "100000"], "--eval_batches 100000 needs 800000 held-out sequences"),
+        (["--dropout", "1.5"], "--dropout 1.5 must be at least 0 and below 1"),
+        (["--learning_rate", "nan"], "--learning_rate nan must be a positive number"),
+        (["--stop_at_step", "500"], "--stop_at_step 500 must be between 1 and --max_steps 400"),
+        (["--save_steps", "0"], "--save_steps 0 must be -1 (never) or at least 1"),
+    ],
+)
+def test_a_bad_example_flag_stops_at_parsing_naming_the_flag_and_a_fix(flags, message, capsys, monkeypatch):
+    from train_example import parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_save_path_that_is_a_file_stops_the_example_before_training(tmp_path, capsys):
+    from train_example import parse_args
+
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit):
+        parse_args(["--save_path", str(tmp_path / "taken")])
+    assert f"--save_path {tmp_path / 'taken'} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_example_help_lists_every_default_and_answers_without_importing_torch():
+    started = time.perf_counter()
+    done = subprocess.run(
+        [PYTHON, "-X", "importtime", "train_example.py", "--help"], cwd=HERE, capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    assert " torch" not in done.stderr and "deepspeed" not in done.stderr  # -X importtime lists every import
+    for default in ("(default: 2)", "(default: 400)", "(default: ./ckpt)", "(default: 0.003)"):
+        assert default in " ".join(done.stdout.split()), default
+    print(f"--help answered in {time.perf_counter() - started:.2f} s")
+
+
+def test_readme_shows_a_parser_with_local_rank_and_the_way_out_for_parsers_without_it():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    usage = readme[readme.index("## Using it in your trainer") :]
+    assert 'parser.add_argument("--local_rank", type=int, default=-1)' in usage
+    assert "--no_local_rank" in usage
 
 
 def test_unigram_baseline_is_the_cross_entropy_under_add_one_byte_frequencies():
@@ -915,7 +1204,26 @@ def worker_collectives(results, rank):
         gather_tensor=strategy.all_gather(mine.reshape(1, 2)),
         gather_number=strategy.all_gather(0.5 * (rank + 1)),
         gather_scalar=strategy.all_gather(torch.tensor(rank)),
+        bool_mean=strategy.all_reduce(torch.tensor([rank == 0, True])),
+        bool_sum=strategy.all_reduce(torch.tensor([True, True]), "sum"),
+        bool_max=strategy.all_reduce(torch.tensor([rank == 1]), "max"),
+        int_mean=strategy.all_reduce(torch.tensor(2**25 + 1)),
+        python_bool_sum=strategy.all_reduce(rank == 0, "sum"),
+        dict_by_key=strategy.all_reduce({"a": 1, "b": 100} if rank == 0 else {"b": 100, "a": 1}, "sum"),
+        ragged=strategy.all_gather(torch.arange(rank + 1) + 10 * rank),
+        ragged_rows=strategy.all_gather(torch.full((rank + 1, 3), float(rank))),
+        gather_dict_by_key=strategy.all_gather({"x": rank, "y": -rank} if rank == 0 else {"y": -rank, "x": rank}),
     )
+    for name, call in (
+        ("keys_differ", lambda: strategy.all_reduce({"a": 1} if rank == 0 else {"b": 1})),
+        ("gather_keys_differ", lambda: strategy.all_gather({"a": 1} if rank == 0 else {"b": 1})),
+        ("gather_columns_differ", lambda: strategy.all_gather(torch.zeros(2, rank + 1))),
+    ):
+        try:
+            call()
+            results["collectives"][name] = "returned"
+        except ValueError as error:
+            results["collectives"][name] = str(error)
 
 
 def worker_dataloader(results, rank):
@@ -924,6 +1232,8 @@ def worker_dataloader(results, rank):
     indices = lambda loader: [int(i) for (batch,) in loader for i in batch]  # noqa: E731
     loader = strategy.setup_dataloader(dataset, 2)
     epoch0 = indices(loader)
+    never_set = strategy.setup_dataloader(dataset, 2)  # a trainer that never calls set_epoch
+    never_set_epochs = [indices(never_set) for _ in range(3)]
     loader.sampler.set_epoch(1)
     results["dataloader"] = dict(
         epoch0=epoch0,
@@ -931,6 +1241,7 @@ def worker_dataloader(results, rank):
         epoch1=indices(loader),
         resumed=indices(strategy.setup_dataloader(dataset, 2, consumed_samples=8)),
         resumed_len=len(strategy.setup_dataloader(dataset, 2, consumed_samples=8)),
+        never_set_epochs=never_set_epochs,
     )
 
 
@@ -1120,6 +1431,153 @@ def worker_load_after_crash(results, rank, crash_dir):
     )
 
 
+def worker_load_model_then_step(results, rank, out_dir):
+    path = os.path.join(out_dir, "weights_to_load.bin")
+    if rank == 0:
+        torch.save(make_model(init_seed=7).state_dict(), path)
+    torch.distributed.barrier()
+    for stage, bf16 in ((0, True), (1, False), (2, False), (3, False)):
+        strategy = new_strategy(stage, bf16=bf16)
+        engine, optimizer, scheduler = prepared(strategy, schedule=lambda step: 0.0)  # lr 0: a step moves nothing
+        strategy.load_model(engine, path, strict=True)
+        train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO), 1)
+        results[f"load_model_then_step_stage{stage}"] = dict(params=full_params(engine), steps=engine.global_steps)
+
+
+def worker_zero_init(results, rank):
+    """A model built under deepspeed.zero.Init, as Hugging Face's from_pretrained builds one at ZeRO 3."""
+    import deepspeed
+
+    strategy = new_strategy(3)
+    with deepspeed.zero.Init(config_dict_or_path=strategy.get_ds_train_config()):
+        model = make_model()
+    sharded_at_build = any(p.numel() == 0 for p in model.parameters())
+    optimizer = strategy.create_optimizer(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    engine, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
+    train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False), STEPS)
+    results["zero_init"] = dict(params=full_params(engine), sharded_at_build=sharded_at_build)
+
+
+def worker_overlap_comm(results, rank):
+    results["overlap_comm"] = {
+        flag: prepared(new_strategy(3, overlap_comm=flag))[0].zero_overlap_comm() for flag in (False, True)
+    }
+
+
+class TiedAndShared(torch.nn.Module):
+    """A tied embedding and output head, as in GPT-2, and one block registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(512, 256)  # 131,072 elements: ZeRO 3 shards it
+        self.block = torch.nn.Linear(256, 256)
+        self.block_again = self.block
+        self.head = torch.nn.Linear(256, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.block_again(self.block(self.emb(idx))))
+
+
+def worker_save_tied_and_shared(results, rank, out_dir):
+    for stage in (2, 3):
+        strategy = new_strategy(stage)
+        model = TiedAndShared()
+        expected = {key: value.clone() for key, value in model.state_dict().items()}
+        engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=LR), None))
+        out = os.path.join(out_dir, f"tied_stage{stage}")
+        strategy.save_model(engine, None, out)
+        if rank == 0:
+            path = os.path.join(out, "pytorch_model.bin")
+            saved = torch.load(path, weights_only=True)
+            plain = TiedAndShared()
+            plain.load_state_dict(saved, strict=True)
+            results[f"tied_stage{stage}"] = dict(
+                keys=list(saved),
+                expected=expected,
+                saved=saved,
+                tie_kept=saved["emb.weight"].data_ptr() == saved["head.weight"].data_ptr(),
+                file_bytes=os.path.getsize(path),
+            )
+        else:
+            results[f"tied_stage{stage}"] = {}
+
+
+def worker_module_only(results, rank, out_dir):
+    strategy = new_strategy(3)
+    engine, optimizer, scheduler = prepared(strategy)
+    train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO), 2)
+    saved = full_params(engine)
+    strategy.save_ckpt(engine, os.path.join(out_dir, "module_only"))
+    fresh, _, _ = prepared(strategy, init_seed=999)
+    strategy.load_ckpt(fresh, os.path.join(out_dir, "module_only"), load_module_only=True)
+    results["module_only_zero3"] = dict(saved=saved, loaded=full_params(fresh))
+
+
+def worker_actor(results, rank, out_dir):
+    for stage in (2, 3):
+        strategy = new_strategy(stage)
+        actor = Actor(make_model())
+        optimizer = strategy.create_optimizer(actor, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        returned, optimizer, scheduler = strategy.prepare((actor, optimizer, scheduler))
+        loader = strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False)
+        batches = iter(loader)
+        for _ in range(STEPS * ACCUM):
+            x, y = next(batches)
+            strategy.backward(F.mse_loss(returned(x), y), returned, optimizer)
+            strategy.optimizer_step(optimizer, returned, scheduler)
+        out = os.path.join(out_dir, f"actor_stage{stage}")
+        strategy.save_model(returned, None, out)
+        results[f"actor_stage{stage}"] = dict(
+            returned_the_actor=returned is actor,
+            holds=type(actor.model).__name__,
+            params=full_params(actor.model),
+            saved_keys=sorted(torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)) if rank == 0 else None,
+        )
+
+
+def worker_moving_average(results, rank):
+    for stage in range(4):
+        strategy = new_strategy(stage)
+        engine, _, _ = prepared(strategy)
+        ema = strategy.prepare(make_model(init_seed=3))
+        before = full_params(ema)
+        strategy.moving_average(engine, ema, beta=0.9)  # the first of ACCUM calls: no update yet
+        after_one_call = full_params(ema)
+        for _ in range(ACCUM - 1):
+            strategy.moving_average(engine, ema, beta=0.9)
+        results[f"moving_average_stage{stage}"] = dict(
+            model=full_params(engine), before=before, after_one_call=after_one_call, after=full_params(ema)
+        )
+
+
+def worker_node_local(results, rank, out_dir):
+    """Rank 1 plays the first rank of a second node whose disk is its own: it holds what that node's ranks
+    wrote (and, as each node's first rank once wrote them, the markers), not rank 0's files."""
+    import shutil
+
+    strategy = new_strategy(2)
+    engine, _, _ = prepared(strategy)
+    shared, node2 = os.path.join(out_dir, "node_local"), os.path.join(out_dir, "node_local_node2")
+    strategy.save_ckpt(engine, shared)
+    if rank == 0:
+        shutil.copytree(shared, node2)
+        folder = os.path.join(node2, "global_step0")
+        for name in os.listdir(folder):
+            if name.startswith(("mp_rank_00", "zero_pp_rank_0_")) or name == "rng_state_rank0.pt":
+                os.remove(os.path.join(folder, name))
+    torch.distributed.barrier()
+    strategy.local_rank = 0
+    try:
+        strategy.load_ckpt(engine, shared if rank == 0 else node2)
+        results["node_local"] = "loaded"
+    except Exception as error:
+        results["node_local"] = f"{type(error).__name__}: {error}"
+
+
 def run_core(out_dir, crash_dir):
     rank = int(os.environ["RANK"])
     results = {"errors": {}}
@@ -1135,6 +1593,14 @@ def run_core(out_dir, crash_dir):
         (worker_save_model, (out_dir,)),
         (worker_prepare_eval, ()),
         (worker_load_after_crash, (crash_dir,)),
+        (worker_load_model_then_step, (out_dir,)),
+        (worker_zero_init, ()),
+        (worker_overlap_comm, ()),
+        (worker_save_tied_and_shared, (out_dir,)),
+        (worker_module_only, (out_dir,)),
+        (worker_node_local, (out_dir,)),
+        (worker_actor, (out_dir,)),
+        (worker_moving_average, ()),
     ]
     for function, extra in cases:
         try:
@@ -1156,6 +1622,11 @@ CASE_KEYS = {
     "offload": [f"offload_stage{s}" for s in (1, 2, 3)],
     "resume": [f"resume_stage{s}_{d}" for s in range(4) for d in ("fp32", "bf16")],
     "save_model": ["save_model_zero3"],
+    "load_model_then_step": [f"load_model_then_step_stage{s}" for s in range(4)],
+    "save_tied_and_shared": ["tied_stage2", "tied_stage3"],
+    "module_only": ["module_only_zero3"],
+    "actor": ["actor_stage2", "actor_stage3"],
+    "moving_average": [f"moving_average_stage{s}" for s in range(4)],
 }
 
 
@@ -1169,14 +1640,31 @@ def run_crash(out_dir):
     batches = iter(loader)
     ckpt = os.path.join(out_dir, "ckpt")
     train(strategy, engine, optimizer, scheduler, batches, 2)
-    strategy.save_ckpt(engine, ckpt)
+    strategy.save_ckpt(engine, ckpt, tag="last")
     if rank == 0:
         torch.save(full_params(engine), os.path.join(out_dir, "params_at_step2.pt"))
     train(strategy, engine, optimizer, scheduler, batches, 2)
-    if rank == 1:  # rank 1 dies half-way through the next save: after its RNG file, before DeepSpeed's files
+    if rank == 1:  # rank 1 dies half-way through saving over "last": after its RNG file, before DeepSpeed's files
         engine.save_checkpoint = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
-    strategy.save_ckpt(engine, ckpt)
+    strategy.save_ckpt(engine, ckpt, tag="last")
     print("a save completed although rank 1 died", flush=True)
+
+
+def run_rendezvous():
+    import socket
+
+    messages = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for world_size, port in (("1", taken.getsockname()[1]), ("2", free_port())):
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=world_size, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            try:
+                get_strategy(argparse.Namespace(zero_stage=2, train_batch_size=2)).setup_distributed(timedelta(seconds=3))
+                messages.append("joined")
+            except RuntimeError as error:
+                messages.append(str(error))
+    print(json.dumps(messages))
 
 
 def run_mismatch():
@@ -1186,7 +1674,7 @@ def run_mismatch():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=["core", "crash", "mismatch"], required=True)
+    parser.add_argument("--worker", choices=["core", "crash", "mismatch", "rendezvous"], required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
     parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
@@ -1195,5 +1683,7 @@ if __name__ == "__main__":
         run_core(cli.out_dir, cli.crash_dir)
     elif cli.worker == "crash":
         run_crash(cli.out_dir)
+    elif cli.worker == "rendezvous":
+        run_rendezvous()
     else:
         run_mismatch()

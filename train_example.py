@@ -22,26 +22,27 @@ Checkpoints and resuming (rerun the same command with --load_checkpoint after an
 """
 
 import argparse
+import contextlib
 import glob
 import itertools
 import logging
+import io
 import math
 import os
+import re
 import sysconfig
+import tempfile
 import time
 import warnings
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from deepspeed.accelerator import get_accelerator
-from tqdm import tqdm
-
-from get_strategy import get_strategy
+# Only the standard library above this line: torch and DeepSpeed take seconds to import, so the flags are parsed
+# and checked first (see the bottom of the file), and --help or a bad value answers at once.
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
 
     # The strategy's flags: get_strategy() reads them, with the same names.
     group = parser.add_argument_group("strategy")
@@ -77,7 +78,7 @@ def parse_args(argv=None):
 
     group = parser.add_argument_group("model and data")
     group.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
-    group.add_argument("--n_head", type=int, default=4, help="attention heads per block")
+    group.add_argument("--n_head", type=int, default=4, help="attention heads per block; must divide --n_embd")
     group.add_argument("--n_embd", type=int, default=128, help="width of the residual stream")
     group.add_argument("--block_size", type=int, default=128, help="context length in bytes")
     group.add_argument("--dropout", type=float, default=0.0, help="dropout probability in attention and MLP outputs")
@@ -97,6 +98,9 @@ def parse_args(argv=None):
     group.add_argument("--eval_steps", type=int, default=100, help="evaluate on held-out data every this many steps")
     group.add_argument("--eval_batches", type=int, default=20, help="held-out micro-batches per rank in one evaluation")
     group.add_argument("--logging_steps", type=int, default=50, help="print a log line every this many steps")
+    group.add_argument(
+        "--verbose", action="store_true", help="keep DeepSpeed's own log lines (INFO, every rank) for debugging"
+    )
 
     group = parser.add_argument_group("saving and resuming")
     group.add_argument("--save_path", help="folder for the final consolidated weights (pytorch_model.bin)")
@@ -115,30 +119,151 @@ def parse_args(argv=None):
         "the learning-rate schedule still spans --max_steps",
     )
     args = parser.parse_args(argv)
-    if args.train_batch_size is None:
-        # Launchers export WORLD_SIZE before the script starts; plain python is one process.
-        per_micro_step = args.micro_train_batch_size * int(os.environ.get("WORLD_SIZE", "1"))
-        args.train_batch_size = per_micro_step * math.ceil(32 / per_micro_step)
+    problem = check_args(args, parser)
+    if problem:
+        parser.error(problem)
     return args
 
+
+def check_args(args, parser):
+    """What is wrong with the flags, naming the flag, its value and what would work; None if nothing is.
+
+    Everything is checked here, before any process group, so a run that starts also gets to its first step and
+    can save at its end. The rank's own files are checked on the ranks that write them."""
+    # Launchers export WORLD_SIZE and RANK before the script starts; plain python is one process of rank 0.
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    at_least = {
+        "--micro_train_batch_size": (args.micro_train_batch_size, 1),
+        "--train_batch_size": (args.train_batch_size or 1, 1),
+        "--n_layer": (args.n_layer, 1),
+        "--n_head": (args.n_head, 1),
+        "--n_embd": (args.n_embd, 1),
+        "--block_size": (args.block_size, 1),
+        "--data_bytes": (args.data_bytes, 1),
+        "--max_steps": (args.max_steps, 1),
+        "--warmup_steps": (args.warmup_steps, 0),
+        "--eval_steps": (args.eval_steps, 1),
+        "--eval_batches": (args.eval_batches, 1),
+        "--logging_steps": (args.logging_steps, 1),
+        "--max_ckpt_num": (args.max_ckpt_num, 1),
+        "--max_norm": (args.max_norm, 0),
+        "--weight_decay": (args.weight_decay, 0),
+    }
+    for flag, (value, low) in at_least.items():
+        if not value >= low:  # also catches nan
+            return f"{flag} {value} must be at least {low}"
+    for flag, value, low, high in (
+        ("--dropout", args.dropout, 0, 1),
+        ("--val_fraction", args.val_fraction, 0, 1),
+        ("--min_lr_ratio", args.min_lr_ratio, 0, 1.0000001),
+    ):
+        if not low <= value < high:
+            return f"{flag} {value} must be at least {low} and below {high:g}"
+    if not 0 < args.learning_rate < float("inf"):
+        return f"--learning_rate {args.learning_rate} must be a positive number (the default is 3e-3)"
+    if not 0 < args.max_ckpt_mem < float("inf"):
+        return f"--max_ckpt_mem {args.max_ckpt_mem} must be a positive number of GB"
+    if args.n_embd % args.n_head:
+        divisors = [n for n in range(1, args.n_embd + 1) if args.n_embd % n == 0]
+        nearest = sorted(divisors, key=lambda n: abs(n - args.n_head))[:2]
+        return f"--n_head {args.n_head} must divide --n_embd {args.n_embd} (try --n_head {' or '.join(map(str, sorted(nearest)))})"
+    if args.save_steps != -1 and args.save_steps < 1:
+        return f"--save_steps {args.save_steps} must be -1 (never) or at least 1"
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
+        return f"--stop_at_step {args.stop_at_step} must be between 1 and --max_steps {args.max_steps}"
+
+    if args.train_batch_size is None:
+        per_micro_step = args.micro_train_batch_size * world_size
+        args.train_batch_size = per_micro_step * math.ceil(32 / per_micro_step)
+    # The data, from the files' sizes alone: the smallest flag change that makes it fit is named.
+    available = sum(os.path.getsize(path) for path in corpus_files())
+    if args.data_bytes > available:
+        return f"--data_bytes {args.data_bytes} is more than the {available} bytes of standard-library source here (try {available})"
+    train_bytes, val_bytes = split_sizes(args.data_bytes, args.val_fraction)
+    sequences = (train_bytes - 1) // args.block_size
+    if sequences < args.train_batch_size:
+        need = math.ceil((args.train_batch_size * args.block_size + 1) / (1 - args.val_fraction)) + 1
+        longest = (train_bytes - 1) // args.train_batch_size
+        blocks = f"--block_size {args.block_size} cuts the {train_bytes} training bytes of --data_bytes {args.data_bytes}"
+        fixes = [f"--data_bytes {need}" if need <= available else None, f"--block_size {longest}" if longest else None]
+        culprit = "--block_size" if args.block_size != parser.get_default("block_size") else "--data_bytes"
+        return (
+            f"{culprit} is too {'large' if culprit == '--block_size' else 'small'}: {blocks} into {sequences} "
+            f"sequences, fewer than one step's --train_batch_size {args.train_batch_size} "
+            f"(try {' or '.join(f for f in fixes if f)}, or a smaller --train_batch_size)"
+        )
+    needed = args.eval_batches * args.micro_train_batch_size * world_size
+    if (val_bytes - 1) // args.block_size < needed:
+        return (
+            f"--eval_batches {args.eval_batches} needs {needed} held-out sequences of --block_size {args.block_size} "
+            f"and --val_fraction {args.val_fraction} of --data_bytes {args.data_bytes} gives "
+            f"{(val_bytes - 1) // args.block_size}: lower --eval_batches, or raise --val_fraction or --data_bytes"
+        )
+
+    # Output folders, on the ranks that write them: every rank writes its part of a checkpoint, rank 0 the weights.
+    saves_checkpoints = args.save_steps > 0 or args.stop_at_step is not None
+    for flag, folder, writes in (
+        ("--save_path", args.save_path, rank == 0 and args.save_path is not None),
+        ("--ckpt_path", args.ckpt_path, saves_checkpoints),
+    ):
+        problem = writes and unwritable(folder)
+        if problem:
+            return f"{flag} {folder} {problem}: choose a folder this run can write"
+    return None
+
+
+def unwritable(folder):
+    """Why this process cannot write files into folder (creating it if need be), or None."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as error:
+        return f"is not writable ({error.strerror})"
+
+
+def corpus_files() -> list:
+    """The top-level .py files of the standard library, in name order."""
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+
+
+def split_sizes(data_bytes: int, val_fraction: float):
+    """Training and held-out bytes: the first bytes train, the last val_fraction are held out."""
+    cut = int(data_bytes * (1 - val_fraction))
+    return cut, data_bytes - cut
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before the imports below, which take seconds
+    if not ARGS.verbose:
+        # DeepSpeed and torch's extension builder warn on every rank as they load (for example that no GPU was
+        # found). A filter set before DeepSpeed creates its logger stays on it; --verbose keeps everything.
+        logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from get_strategy import get_strategy  # noqa: E402
 
 # -------------------------------------------------------------------------------------------------------------
 # Data: the standard library's own source, as bytes
 
 
 def load_corpus(max_bytes: int) -> bytes:
-    """The top-level .py files of the standard library, in name order, up to max_bytes."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    text = b"".join(open(path, "rb").read() for path in files)
-    if len(text) < max_bytes:
-        raise ValueError(f"--data_bytes {max_bytes} is more than the {len(text)} bytes of standard-library source here")
-    return text[:max_bytes]
+    """The first max_bytes of corpus_files(), one after another."""
+    return b"".join(open(path, "rb").read() for path in corpus_files())[:max_bytes]
 
 
 def split_corpus(text: bytes, val_fraction: float):
-    """The first bytes train, the last val_fraction are held out (whole files of other modules)."""
+    """The corpus as two tensors of byte values, split as split_sizes() says (whole files of other modules)."""
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(len(data) * (1 - val_fraction))
+    cut, _ = split_sizes(len(data), val_fraction)
     return data[:cut], data[cut:]
 
 
@@ -269,37 +394,42 @@ def generate(engine, prompt: bytes, length: int, seed: int, device) -> bytes:
     return bytes(idx[0, len(prompt) :].tolist())
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # Keep the console for this script's progress: DeepSpeed logs its whole config at INFO on every rank, and
-    # its CPU collectives call torch functions that warn of their deprecation on every call site.
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+@contextlib.contextmanager
+def ops_loading_quietly(verbose: bool):
+    """DeepSpeed prints lines on every rank each time it loads one of its compiled ops. Keep only the news that
+    one had to be compiled (the first run on a machine: a minute or more), once per machine."""
+    if verbose:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        yield
+    for name, seconds in re.findall(r"Time to load (\w+) op: ([\d.]+) seconds", printed.getvalue()):
+        if float(seconds) > 5 and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"compiled DeepSpeed's {name} op in {float(seconds):.0f} s; later runs load it from the cache")
+
+
+def main(args):
+    if not args.verbose:  # DeepSpeed's CPU collectives call torch functions that warn of deprecation at each call
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
     strategy = get_strategy(args)
-    strategy.setup_distributed()
+    with ops_loading_quietly(args.verbose):
+        strategy.setup_distributed()
     device = get_accelerator().current_device_name()
 
     train_data, val_data = split_corpus(load_corpus(args.data_bytes), args.val_fraction)
     train_set, val_set = ByteChunks(train_data, args.block_size), ByteChunks(val_data, args.block_size)
-    steps_per_epoch = len(train_set) // args.train_batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"--train_batch_size {args.train_batch_size} is more than the {len(train_set)} training sequences"
-        )
-    if len(val_set) < args.eval_batches * args.micro_train_batch_size * strategy.world_size:
-        raise ValueError(
-            f"--eval_batches {args.eval_batches} needs more held-out data: raise --data_bytes or --val_fraction"
-        )
+    steps_per_epoch = len(train_set) // args.train_batch_size  # at least 1: check_args made sure
 
     model = model_from_args(args)  # the same initial weights on every rank: setup_distributed seeded torch
     strategy.print(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_data):,} training "
         f"bytes, {strategy.world_size} ranks x {strategy.accumulated_gradient} accumulation steps"
     )
-    optimizer = strategy.create_optimizer(
-        model, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
-    )
+    with ops_loading_quietly(args.verbose):  # --adam_offload compiles DeepSpeedCPUAdam on first use
+        optimizer = strategy.create_optimizer(
+            model, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
     engine, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
 
@@ -379,4 +509,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

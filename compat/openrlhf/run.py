@@ -101,7 +101,7 @@ def fixtures(work):
     numbers = [" ".join(str((start + i) % 50) for i in range(8)) for start in range(STEPS_PER_EPOCH * TRAIN_BATCH)]
     sft = [{"input": f"count on from {n.split()[0]}", "output": n} for n in numbers]
     pairs = [
-        {"prompt": f"count on from {n.split()[0]}: ", "chosen": n, "rejected": " ".join(reversed(n.split()))}
+        {"prompt": f"count on from {n.split()[0]}: ", "chosen": n, "rejected": " ".join([n.split()[0]] * 8)}
         for n in numbers
     ]
     for name, rows in (("sft", sft), ("pairs", pairs)):
@@ -119,8 +119,8 @@ def fixtures(work):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=256,
+        intermediate_size=512,  # each MLP weight has 131,072 elements: above the 100,000 ZeRO 3 keeps whole
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -160,9 +160,13 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
         "--logging_steps", "1",
         "--seed", "42",
     ]  # fmt: skip
-    flags += {"sft": ["--output_key", "output"], "rm": ["--prompt_key", "prompt"], "dpo": ["--prompt_key", "prompt"]}[
-        pipeline
-    ]
+    # The reward model evaluates once an epoch: without --eval_dataset it takes 1% of 48 samples, none. At the
+    # others' learning rate its loss stays near log 2 for these 12 steps, so it gets a larger one.
+    flags += {
+        "sft": ["--output_key", "output"],
+        "rm": ["--prompt_key", "prompt", "--eval_dataset", os.path.join(work, "pairs.jsonl"), "--learning_rate", "2e-2"],
+        "dpo": ["--prompt_key", "prompt"],
+    }[pipeline]
     if resume:
         flags.append("--load_checkpoint")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -180,9 +184,12 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
     return time.perf_counter() - started, done.stdout
 
 
-def step_losses(output):
-    """The loss of each optimizer step, averaged over ranks, from the trainers' progress bars (loss_mean)."""
-    return [float(v) for v in re.findall(r"loss_mean=([-\d.e]+)", output)]
+def micro_step_losses(output):
+    """The loss of each micro-step, averaged over ranks, from rank 0's progress bar: SFT shows gpt_loss, the
+    reward model and DPO show loss. The bar redraws a postfix until the next one, so repeats are dropped."""
+    postfixes = re.findall(r"it/s, ([^\]]*)\]", output)
+    unique = [p for i, p in enumerate(postfixes) if i == 0 or p != postfixes[i - 1]]
+    return [float(m.group(1)) for p in unique if (m := re.search(r"(?:^|, )(?:gpt_)?loss=([-\d.e]+)", p))]
 
 
 def saved_weights(folder):
@@ -197,7 +204,8 @@ def check(pipeline, stage, work, site, pretrain):
 
     name = f"{pipeline}_{stage}"
     seconds, output = launch(pipeline, stage, work, site, pretrain, name, resume=False)
-    losses = list(dict.fromkeys(step_losses(output)))  # the bar repeats a postfix until the next step
+    losses = micro_step_losses(output)
+    steps = len([n for n in os.listdir(os.path.join(work, name, "ckpt")) if re.fullmatch(r"global_step\d+", n)])
     # Resume from a copy of the full run's checkpoints whose 'latest' names the middle of the first epoch.
     resumed = os.path.join(work, f"{name}_resumed")
     shutil.rmtree(resumed, ignore_errors=True)
@@ -213,7 +221,7 @@ def check(pipeline, stage, work, site, pretrain):
     if pipeline == "rm":
         from openrlhf.models import get_llm_for_sequence_regression
 
-        loaded = get_llm_for_sequence_regression(folder, "reward", init_value_head=False)
+        loaded = get_llm_for_sequence_regression(folder, "reward", init_value_head=False, bf16=False)
         problems = {}
     else:
         loaded, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
@@ -222,9 +230,9 @@ def check(pipeline, stage, work, site, pretrain):
     return dict(
         pipeline=pipeline,
         stage=stage,
-        steps=len(losses),
-        first=losses[0],
-        last=losses[-1],
+        steps=steps,
+        first=sum(losses[:4]) / 4,  # the first two optimizer steps
+        last=sum(losses[-4:]) / 4,  # the last two
         resume_diff=resume_diff,
         loads=not problems and reloaded_equal,
         problems=problems,
@@ -243,7 +251,7 @@ def main():
     sys.path[:0] = [site, REPO]
     pretrain = fixtures(args.work)
     runs = [(p, s) for p in ("sft", "rm", "dpo") for s in (2, 3) if not args.only or f"{p}_{s}" in args.only]
-    print("| pipeline | ZeRO | optimizer steps | loss, first step | loss, last step | resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |")
+    print("| pipeline | ZeRO | optimizer steps | loss, first 2 steps | loss, last 2 steps | resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     failed = False
     for pipeline, stage in runs:

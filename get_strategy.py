@@ -2,8 +2,8 @@
 prepare/backward/step wrappers, rank helpers and checkpoints.
 
 It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Method
-names and signatures follow OpenRLHF's DeepspeedStrategy: a trainer written against that runs against this
-file after changing one import.
+names and signatures follow OpenRLHF 0.8.5's DeepspeedStrategy: its SFT, reward-model and DPO trainers run on
+this file with two import lines changed (README, "Running OpenRLHF's trainers").
 
 Use it in a training script:
 
@@ -31,12 +31,8 @@ and launch it with any of:
     torchrun --nproc_per_node 2 train.py --zero_stage 2
     python train.py --zero_stage 2                     # one process, no launcher
 
-Batch sizes, as DeepSpeed counts them:
-
-    train_batch_size = micro_train_batch_size * world_size * accumulated_gradient
-
-micro_train_batch_size samples go through one forward/backward on one rank; train_batch_size samples, summed
-over all ranks and accumulation steps, make one optimizer step.
+Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size * world_size *
+accumulated_gradient, the samples of one optimizer step over all ranks and accumulation steps.
 """
 
 import gc
@@ -81,8 +77,7 @@ LOCAL_RANK = -1  # -1: take the local rank from the launcher's LOCAL_RANK enviro
 WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE")
 LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 
-# Flags of OpenRLHF's parsers for what this file leaves out, with the value that means "off". get_strategy refuses
-# any other value rather than ignore it.
+# OpenRLHF's flags for what this file leaves out, with the value meaning "off": get_strategy refuses any other.
 LEFT_OUT = {
     "ring_attn_size": (1, "ring attention (sequence parallelism)"),
     "ds_tensor_parallel_size": (1, "DeepSpeed tensor parallelism"),
@@ -118,46 +113,33 @@ class DeepspeedStrategy:
         grad_accum_dtype=GRAD_ACCUM_DTYPE,
         local_rank=LOCAL_RANK,
     ) -> None:
-        # Check now everything that does not depend on the world size, so a bad flag fails on every rank before
-        # any process group exists. setup_distributed() checks the rest.
-        if not _is_int(seed):
-            raise ValueError(f"--seed {seed!r} must be a whole number")
-        if not (_is_int(zero_stage) and 0 <= zero_stage <= 3):
-            raise ValueError(
-                f"--zero_stage {zero_stage!r} is not a ZeRO stage: use 0 (plain data parallel), 1 (shard optimizer "
-                "states), 2 (and gradients) or 3 (and parameters)"
-            )
-        for flag, value in (
-            ("--micro_train_batch_size", micro_train_batch_size),
-            ("--train_batch_size", train_batch_size),
-        ):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{flag} {value!r} must be a whole number of samples >= 1")
-        for flag, value in (
-            ("--full_determinism", full_determinism),
-            ("--bf16", bf16),
-            ("--adam_offload", adam_offload),
-            ("--overlap_comm", overlap_comm),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} {value!r} must be True or False (an argparse store_true flag)")
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 <= max_norm < float("inf"):
-            raise ValueError(f"--max_norm {max_norm!r} must be a finite number >= 0 (0 turns gradient clipping off)")
-        if grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
-            raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
-        weights_dtype = "bf16" if bf16 else "fp32"
-        if zero_stage == 0 and grad_accum_dtype not in (None, weights_dtype):
-            raise ValueError(
-                f"--grad_accum_dtype {grad_accum_dtype} needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed accumulates "
-                f"gradients in the weights' dtype ({weights_dtype}); drop the flag or raise the stage"
-            )
-        if adam_offload and zero_stage == 0:
-            raise ValueError(
-                "--adam_offload needs --zero_stage 1, 2 or 3: ZeRO-Offload moves each rank's shard of the optimizer to "
-                "the CPU, and stage 0 does not shard the optimizer"
-            )
-        if not _is_int(local_rank) or local_rank < -1:
-            raise ValueError(f"--local_rank {local_rank!r} must be -1 (read LOCAL_RANK) or a device index >= 0")
+        # Check all that does not need the world size now, so a bad flag fails on every rank before any process
+        # group exists. setup_distributed() checks the rest. Each condition guards its own type first.
+        weights_dtype = "bf16" if bf16 is True else "fp32"
+        rules = [
+            ("--seed", seed, _is_int(seed), "must be a whole number"),
+            ("--zero_stage", zero_stage, _is_int(zero_stage) and 0 <= zero_stage <= 3, "is not a ZeRO stage: use 0 "
+             "(plain data parallel), 1 (shard optimizer states), 2 (and gradients) or 3 (and parameters)"),
+            *((flag, value, _is_int(value) and value >= 1, "must be a whole number of samples >= 1") for flag, value in
+              (("--micro_train_batch_size", micro_train_batch_size), ("--train_batch_size", train_batch_size))),
+            *((flag, value, isinstance(value, bool), "must be True or False (an argparse store_true flag)")
+              for flag, value in (("--full_determinism", full_determinism), ("--bf16", bf16),
+                                  ("--adam_offload", adam_offload), ("--overlap_comm", overlap_comm))),
+            ("--max_norm", max_norm, isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+             and 0 <= max_norm < float("inf"), "must be a finite number >= 0 (0 turns gradient clipping off)"),
+            ("--grad_accum_dtype", grad_accum_dtype, grad_accum_dtype in (None, "fp32", "bf16", "fp16"),
+             "must be fp32, bf16 or fp16, or left unset"),
+            ("--grad_accum_dtype", grad_accum_dtype, zero_stage != 0 or grad_accum_dtype in (None, weights_dtype),
+             f"needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed accumulates gradients in the weights' dtype "
+             f"({weights_dtype}); drop the flag or raise the stage"),
+            ("--adam_offload", adam_offload, not (adam_offload and zero_stage == 0), "needs --zero_stage 1, 2 or 3: "
+             "ZeRO-Offload moves each rank's shard of the optimizer to the CPU, and stage 0 does not shard it"),
+            ("--local_rank", local_rank, _is_int(local_rank) and local_rank >= -1,
+             "must be -1 (read LOCAL_RANK) or a device index >= 0"),
+        ]  # fmt: skip
+        for flag, value, holds, problem in rules:
+            if not holds:
+                raise ValueError(f"{flag} {value!r} {problem}")
 
         self.args = args  # the trainer's own flags, kept for trainers that read strategy.args
         self.seed = seed
@@ -180,8 +162,7 @@ class DeepspeedStrategy:
     # Seeding and distributed set-up
 
     def set_seed(self, seed: int) -> None:
-        """Seed every random generator a training step can draw from, identically on every rank (so every rank
-        builds the same initial model)."""
+        """Seed every generator a training step draws from, alike on every rank, so all build the same model."""
         random.seed(seed)
         if numpy is not None:
             numpy.random.seed(seed)
@@ -244,7 +225,6 @@ class DeepspeedStrategy:
 
     def teardown(self) -> None:
         """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
-
         Without it a finished run can still abort at exit ("terminate called without an active exception"): a
         gloo worker thread releasing DeepSpeed's last collective needs the interpreter lock just as Python shuts
         down, and Python ends such threads. Measured with two ranks on a loaded 2-core CPU: 3 of 40 runs aborted
@@ -299,11 +279,9 @@ class DeepspeedStrategy:
         return config
 
     def get_ds_eval_config(self, offload: bool = False) -> dict:
-        """The ds_config of a frozen model (a reference or reward model): no optimizer, no gradients.
-
-        Only ZeRO 3's parameter sharding saves memory without an optimizer, so the stage is 3 when training uses
-        3 and 0 otherwise. offload keeps the weights in CPU memory between uses; it needs ZeRO 3 and is ignored
-        below it, where every rank holds the whole model."""
+        """The ds_config of a frozen model (a reference or reward model): no optimizer, no gradients. Only ZeRO 3
+        saves memory without an optimizer, so the stage is 3 when training uses 3 and 0 otherwise. offload keeps
+        the weights in CPU memory between uses; below ZeRO 3, where every rank holds the whole model, it is ignored."""
         zero = {
             "stage": 3 if self.stage == 3 else 0,  # shard the weights only when training does
             "stage3_gather_16bit_weights_on_model_save": True,  # let save_model() gather full weights
@@ -332,8 +310,7 @@ class DeepspeedStrategy:
         one kernel for all parameters. Elsewhere (CPU): torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
         params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
-        # A ZeRO 3 shard has shape (0,); ds_shape is its full shape.
-        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # a ZeRO 3 shard's shape is (0,)
         groups = [
             {"params": [p for p, m in zip(params, is_matrix) if m], "weight_decay": weight_decay},
             {"params": [p for p, m in zip(params, is_matrix) if not m], "weight_decay": 0.0},
@@ -376,10 +353,7 @@ class DeepspeedStrategy:
                 "pass the bare model for an eval engine"
             )
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=_engine(model),
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=self.get_ds_train_config(),
+            model=_engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
         )
         return _in_actor(model, engine), optimizer, scheduler
 
@@ -458,10 +432,7 @@ class DeepspeedStrategy:
         shapes = [None] * self.world_size
         dist.all_gather_object(shapes, (tuple(local.shape), str(local.dtype)))
         if len({(shape[1:], dtype) for shape, dtype in shapes}) > 1:
-            raise ValueError(
-                f"all_gather needs the same dtype and the same sizes after the first dimension on every rank; got "
-                f"(shape, dtype) per rank: {shapes}"
-            )
+            raise ValueError(f"all_gather: only the first dimension may differ between ranks; (shape, dtype): {shapes}")
         # Collectives move equal sizes: pad every rank's rows to the longest, then cut each back.
         longest = max(shape[0] for shape, _ in shapes)
         padded = torch.cat([local, local.new_zeros(longest - len(local), *local.shape[1:])])
@@ -470,8 +441,7 @@ class DeepspeedStrategy:
         return torch.cat([rows[: shape[0]] for rows, (shape, _) in zip(gathered, shapes)]).to(data.device)
 
     def _keys_in_rank_order(self, data: dict, what: str) -> list:
-        """data's keys in one order shared by every rank (sorted), after checking that every rank has the same
-        keys: values are reduced key by key, and two ranks that disagree would pair unrelated values."""
+        """data's keys sorted, once every rank is known to hold the same: otherwise unrelated values would pair."""
         self._require_process_group(what)
         keys = sorted(data, key=repr)
         every_rank = [None] * self.world_size
@@ -495,10 +465,10 @@ class DeepspeedStrategy:
         sampler=None,
         consumed_samples: int = 0,
     ) -> DataLoader:
-        """A DataLoader over this rank's shard of dataset: each rank sees a disjoint slice (with drop_last; without
-        it the sampler pads the last slices with repeats), shuffled by the strategy's seed and the epoch.
-        consumed_samples, counted over all ranks, skips that many samples at the start of the epoch, so a resumed
-        run continues where it stopped. Call loader.sampler.set_epoch(epoch) at the start of each later epoch."""
+        """A DataLoader over this rank's disjoint shard of dataset (without drop_last the sampler pads the last
+        shards with repeats), shuffled by the seed and the epoch. consumed_samples (over all ranks) skips that many
+        samples at the start, so a resumed run continues where it stopped. Each later pass is the next epoch;
+        loader.sampler.set_epoch(epoch, consumed_samples) chooses one."""
         if sampler is None:
             sampler = DistributedSampler(
                 dataset,
@@ -529,12 +499,11 @@ class DeepspeedStrategy:
         (your loop's counters), and every rank's random generators. All ranks must call it, and save_dir must be
         on a filesystem every rank sees (one shared by all nodes).
 
-        Every rank writes into save_dir/<tag>.saving (default tag: global_step<N>). Once all have, rank 0 writes
-        checkpoint_complete.json (what a loader must know, and every file's size), swaps the folder in as
-        save_dir/<tag>, and only then points save_dir/latest at it. A crash at any moment, also while saving
-        over an existing tag, leaves the previous complete checkpoint loadable. Afterwards the oldest complete
-        checkpoints are deleted until at most max_num of them, and at most max_mem GB, remain; the new one and
-        the one 'latest' names are never deleted, nor anything in save_dir that is not a checkpoint of ours."""
+        Every rank writes into save_dir/<tag>.saving (default tag: global_step<N>); then rank 0 writes
+        checkpoint_complete.json, swaps the folder in as save_dir/<tag>, and only then points save_dir/latest at
+        it, so a crash at any moment leaves the previous complete checkpoint loadable. Then the oldest complete
+        checkpoints go until at most max_num, and max_mem GB, remain (never the new one, the one 'latest' names,
+        or a folder that is not a checkpoint of ours)."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         model = _engine(model)
@@ -548,11 +517,11 @@ class DeepspeedStrategy:
         model.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
         dist.barrier()  # every rank's files are on disk
         if self.is_rank_0():  # one writer for every shared file
-            self._commit_checkpoint(model, save_dir, tag, save_latest)
+            self._commit_checkpoint(save_dir, tag, save_latest)
             self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
         dist.barrier()
 
-    def _commit_checkpoint(self, model, save_dir, tag, save_latest):
+    def _commit_checkpoint(self, save_dir, tag, save_latest):
         folder = os.path.join(save_dir, tag)
         files = {
             os.path.relpath(os.path.join(root, name), folder + STAGING): os.path.getsize(os.path.join(root, name))
@@ -598,14 +567,12 @@ class DeepspeedStrategy:
     ):
         """Load a checkpoint written by save_ckpt (the one load_dir/latest names when tag is None) into a
         prepared engine and restore this rank's random generators. Returns (load_path, client_state).
-        load_module_only=True loads the weights alone, at every ZeRO stage and from any number of ranks.
-
-        A missing, incomplete or truncated checkpoint, or one saved by another number of ranks, raises
+        load_module_only=True loads the weights alone, at every ZeRO stage and from any number of ranks. A
+        missing, incomplete or truncated checkpoint, or one saved by another number of ranks, raises
         FileNotFoundError on every rank, naming the folder or file.
 
-        Load only checkpoints you trust: DeepSpeed reads its files with pickle (torch.load with
-        weights_only=False), so a crafted checkpoint runs code while it loads. To exchange weights with others,
-        use save_model and load_model, which read tensors only."""
+        Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
+        crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         model = _engine(model)
         tag = str(tag) if tag is not None else _read_latest(load_dir)
         folder, problem = self._find_checkpoint(load_dir, tag, load_module_only)
@@ -635,8 +602,7 @@ class DeepspeedStrategy:
         return load_path, client_state
 
     def _find_checkpoint(self, load_dir, tag, load_module_only):
-        """(the folder in load_dir holding tag's complete checkpoint, None) or (None, why this rank cannot load
-        it). tag is None when load_dir has no 'latest' file."""
+        """(the folder holding tag's complete checkpoint, None) or (None, why this rank cannot load it)."""
         if tag is None:
             return None, f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
@@ -649,9 +615,9 @@ class DeepspeedStrategy:
                 continue
         else:
             return None, (
-                f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as rank {self.get_rank()} on "
-                f"{socket.gethostname()} sees it (no {DONE_FILE}): the run may have stopped while saving it, or this "
-                "node cannot see the folder (checkpoints need a filesystem every node shares); load an earlier tag"
+                f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} sees it "
+                f"(no {DONE_FILE}): the run may have stopped while saving it, or this node cannot see the folder "
+                "(checkpoints need a filesystem every node shares); load an earlier tag"
             )
         ckpt_dir = os.path.join(load_dir, folder)
         if done["world_size"] != self.world_size and not load_module_only:
@@ -671,10 +637,9 @@ class DeepspeedStrategy:
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights, gathered from every rank at ZeRO 3, to output_dir: pytorch_model.bin (a state
         dict) for a plain module, or through model.save_pretrained(output_dir, state_dict=...) when it has one; a
-        tokenizer with save_pretrained is saved beside it. The keys are module.state_dict()'s at every stage, and
-        tensors the model shares (tied embeddings) are written once and stay shared. Rank 0 writes each file to
-        a temporary name and renames it, so no reader sees a partial file. All ranks must call it; all return
-        once the files are complete. This, with load_model, is the safe way to exchange weights."""
+        tokenizer with save_pretrained is saved beside it. The keys are module.state_dict()'s, and tied tensors
+        stay tied. Rank 0 writes each file to a temporary name and renames it, so no reader sees a partial file.
+        All ranks must call it. This, with load_model, is the safe way to exchange weights."""
         module = self._unwrap_model(model)
         state_dict = self._full_state_dict(model)  # collective at ZeRO 3
         if self.is_rank_0():
@@ -695,13 +660,10 @@ class DeepspeedStrategy:
             dist.barrier()
 
     def _full_state_dict(self, model) -> dict:
-        """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere). Every key is kept, also those of a
-        module registered under two names, and a tensor behind several keys is copied once, so ties survive.
-
-        At ZeRO 3 the parameters are gathered one submodule at a time, so no rank ever holds the whole model, and
-        read-only (modifier_rank=None) through DeepSpeed's public API: its private
-        _zero3_consolidated_16bit_state_dict gathers the same way but then broadcasts every weight back to every
-        rank, which a save does not need. Buffers are never sharded."""
+        """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module registered
+        under two names, and a tensor behind several keys copied once, so ties survive. At ZeRO 3 the weights are
+        gathered read-only, one submodule at a time, so no rank ever holds the whole model (DeepSpeed's private
+        _zero3_consolidated_16bit_state_dict also broadcasts every weight back to every rank). Buffers are whole."""
         module = self._unwrap_model(model)
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
         if _is_zero3(model):
@@ -742,47 +704,37 @@ class DeepspeedStrategy:
         state_dict is read (the others may pass None): its values reach every rank's shard."""
         module = self._unwrap_model(model)
         zero3 = _is_zero3(model)
-        problem = None
+        box = [None]
         if state_dict is not None and not set(state_dict) & set(module.state_dict()):
-            problem = (
+            box[0] = (
                 f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
-                f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... "
-                "(rename them with key_replace_fn)"
+                f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... (see key_replace_fn)"
             )
         if zero3:  # rank 0 alone may know; every rank must raise before the gather below
-            box = [problem]
             dist.broadcast_object_list(box, src=0)
-            problem = box[0]
-        if problem:
-            raise ValueError(problem)
+        if box[0]:
+            raise ValueError(box[0])
         # ZeRO 3: gather each full parameter, load into it on rank 0, and let its values go back to every shard.
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0, enabled=zero3):
             if state_dict is not None:
                 result = module.load_state_dict(state_dict, strict=strict)
-                if result.missing_keys or result.unexpected_keys:
-                    self.print(
-                        f"loaded {source} with {len(result.missing_keys)} missing keys {result.missing_keys[:5]} and "
-                        f"{len(result.unexpected_keys)} unexpected keys {result.unexpected_keys[:5]}"
-                    )
+                missing, unexpected = result.missing_keys, result.unexpected_keys
+                if missing or unexpected:
+                    self.print(f"loaded {source} with {len(missing)} missing keys {missing[:5]} and "
+                               f"{len(unexpected)} unexpected keys {unexpected[:5]}")  # fmt: skip
         optimizer = getattr(_engine(model), "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
 
-
     # ---------------------------------------------------------------------------------------------------------
     # OpenRLHF's contracts: what its SFT, reward-model, DPO and PPO trainers use beyond the training path
 
-    @property
-    def ring_attn_group(self):
-        """The process group of ring attention (sequence parallelism), which this file leaves out: None, which
-        OpenRLHF's models read as "no ring attention". get_strategy refuses --ring_attn_size above 1."""
-        return None
+    ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
-        """An exponential moving average of model's weights in model_ema, as OpenRLHF's PPO keeps one: on every
-        accumulated_gradient-th call (once per optimizer step), each trainable weight of model_ema becomes
-        beta * itself + (1 - beta) * model's, computed on device. All ranks must call it. At ZeRO 3 it gathers
-        one pair of weights at a time and writes the result back to every rank's shard."""
+        """OpenRLHF PPO's exponential moving average: on every accumulated_gradient-th call (once per optimizer
+        step) each trainable weight of model_ema becomes beta * itself + (1 - beta) * model's, computed on device.
+        All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
         self._ema_calls += 1
         if self._ema_calls % self.accumulated_gradient:
             return
@@ -798,9 +750,8 @@ class DeepspeedStrategy:
 
 class DistributedSampler(torch.utils.data.DistributedSampler):
     """torch's DistributedSampler that can start an epoch part-way, under the name and signature OpenRLHF's
-    trainers import: set_epoch(epoch, consumed_samples) skips the first consumed_samples samples of that
-    epoch, counted over all ranks, each rank skipping its own share. A loader whose trainer never calls
-    set_epoch still gets a new order each epoch: iterating again without it starts the next epoch."""
+    trainers import: set_epoch(epoch, consumed_samples) skips the epoch's first consumed_samples samples (over
+    all ranks). Iterating again without a set_epoch call starts the next epoch, in a new order."""
 
     def __init__(self, dataset, num_replicas, rank, shuffle, seed, drop_last, consumed_samples=0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
@@ -839,7 +790,7 @@ def _actor_inner(model):
 
 
 def _in_actor(model, engine):
-    """What prepare() returns: the Actor holding the engine when model is an Actor, else the engine."""
+    """What prepare() returns: an Actor, now holding the engine; otherwise the engine."""
     if _actor_inner(model) is None:
         return engine
     model.model = engine
@@ -902,6 +853,10 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
 def _read_latest(save_dir: str):
     try:
         with open(os.path.join(save_dir, "latest")) as f:
@@ -910,18 +865,13 @@ def _read_latest(save_dir: str):
         return None
 
 
-def _folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
-
-
 # -------------------------------------------------------------------------------------------------------------
 
 
 def get_strategy(args) -> DeepspeedStrategy:
-    """Build the strategy from a trainer's flags: any object with attributes, such as an argparse.Namespace.
-
-    This is the one place the strategy reads flags. A flag missing from args takes its default from the top of
-    this file, except --zero_stage, which every run must choose."""
+    """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
+    place flags are read. A flag missing from args takes its default from the top of this file, except
+    --zero_stage, which every run must choose."""
     if getattr(args, "zero_stage", None) is None:
         raise ValueError(
             "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "

@@ -336,13 +336,8 @@ def test_full_determinism_turns_on_torch_and_library_switches(clean_launch_env):
 
 def test_load_model_refuses_a_file_that_carries_code(tmp_path):
     marker = tmp_path / "payload_ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (open, (str(marker), "w"))  # would create the marker file if unpickled
-
     path = tmp_path / "evil.bin"
-    torch.save({"0.weight": torch.zeros(HIDDEN, FEATURES), "extra": Payload()}, path)
+    torch.save({"0.weight": torch.zeros(HIDDEN, FEATURES), "extra": Payload(str(marker))}, path)
     with pytest.raises(ValueError, match="refusing to load .*evil.bin"):
         DeepspeedStrategy(zero_stage=0).load_model(make_model(), str(path))
     assert not marker.exists()
@@ -578,7 +573,7 @@ def test_all_gather_concatenates_tensors_of_different_lengths_in_rank_order(core
     for got in case(core_run, "collectives"):
         assert torch.equal(got["ragged"], torch.tensor([0, 10, 11]))  # rank 0: [0], rank 1: [10, 11]
         assert torch.equal(got["ragged_rows"], torch.tensor([[0.0] * 3, [1.0] * 3, [1.0] * 3]))
-        assert "same dtype and the same sizes after the first dimension" in got["gather_columns_differ"]
+        assert "only the first dimension may differ between ranks" in got["gather_columns_differ"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -722,6 +717,13 @@ def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_t
         assert got["missing"].startswith("FileNotFoundError: no checkpoint to resume in ") and "empty" in got["missing"]
         assert got["incomplete"].startswith("FileNotFoundError: checkpoint ") and "half" in got["incomplete"]
         assert "is missing or incomplete" in got["incomplete"]
+
+
+def test_load_ckpt_runs_code_a_checkpoint_carries_which_its_docstring_warns_of(core_run):
+    """DeepSpeed unpickles checkpoints (weights_only=False); the docstring and README must say so."""
+    for got in case(core_run, "load_errors"):
+        assert got["payload_ran"]
+    assert "Load only checkpoints you trust" in DeepspeedStrategy.load_ckpt.__doc__
 
 
 def test_save_model_under_zero_3_writes_the_gathered_weights_that_load_into_a_plain_module(core_run):
@@ -1011,6 +1013,8 @@ def test_full_determinism_makes_a_second_run_save_byte_identical_weights(deepspe
         )
     )
     assert_learns(output, ranks=2)
+    for noise in ("built successfully", "[INFO]", "[WARNING]", "No CUDA runtime"):  # quiet by default
+        assert noise not in output, noise
     assert losses(output, "train") == losses(deepspeed_two_ranks, "train")
     first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
     assert (example_dir / "weights_tr" / "pytorch_model.bin").read_bytes() == first
@@ -1332,7 +1336,22 @@ def worker_load_errors(results, rank, out_dir):
             got[name] = "loaded"
         except Exception as error:
             got[name] = f"{type(error).__name__}: {error}"
+    # A checkpoint is pickled: what a crafted one carries runs while it loads.
+    crafted, marker = os.path.join(out_dir, "crafted"), os.path.join(out_dir, "payload_ran")  # rank 0's object
+    strategy.save_ckpt(engine, crafted, client_state={"payload": Payload(marker)})
+    strategy.load_ckpt(engine, crafted)
+    got["payload_ran"] = os.path.exists(marker)
     results["load_errors"] = got
+
+
+class Payload:
+    """Unpickling it creates a file: the stand-in for code hidden in a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 class SavesPretrained(torch.nn.Sequential):

@@ -24,17 +24,14 @@ Use it in a training script:
         strategy.optimizer_step(optimizer, model, scheduler)  # steps once every accumulated_gradient calls
     strategy.teardown()  # see its docstring: ends the process group before Python shuts down
 
-and launch it with any of:
-
-    deepspeed train.py --zero_stage 2                  # one process per GPU; one process on a CPU-only machine
-    deepspeed --num_gpus 2 train.py --zero_stage 2     # two processes (on CPU too, with the gloo backend)
-    torchrun --nproc_per_node 2 train.py --zero_stage 2
-    python train.py --zero_stage 2                     # one process, no launcher
+and launch it with `deepspeed train.py`, `torchrun --nproc_per_node N train.py` or plain `python train.py`
+(README, "Launching"). On a CPU-only machine the ranks talk over gloo.
 
 Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size * world_size *
 accumulated_gradient, the samples of one optimizer step over all ranks and accumulation steps.
 """
 
+import argparse
 import gc
 import itertools
 import json
@@ -91,6 +88,7 @@ RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which Dee
 DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
 STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
 REPLACED = ".replaced"  # an older <tag> while the new one takes its name
+UNIVERSAL = ".universal"  # <tag> in DeepSpeed's universal format, made once when a run resumes in another shape
 
 
 class DeepspeedStrategy:
@@ -206,18 +204,15 @@ class DeepspeedStrategy:
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             try:
                 deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
-            except dist.DistNetworkError as error:
-                if "EADDRINUSE" not in str(error):
-                    raise
-                raise RuntimeError(
-                    f"port {where} is already in use, perhaps by another run on this machine: start with another "
-                    f"port, for example --master_port {_free_port()} (the deepspeed launcher and torchrun both take it)"
-                ) from error
-            except dist.DistStoreError as error:
-                raise RuntimeError(
-                    f"not every rank arrived at {where} within {timeout} ({error}): check that all were started, "
-                    "with the same --master_addr and --master_port"
-                ) from error
+            except dist.DistNetworkError as error:  # the rendezvous port is taken
+                if "EADDRINUSE" in str(error):
+                    raise RuntimeError(f"port {where} is already in use, perhaps by another run on this machine: start "
+                                       f"with another, for example --master_port {_free_port()} (the deepspeed "
+                                       "launcher and torchrun both take it)") from error  # fmt: skip
+                raise
+            except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
+                raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): check that all "
+                                   "were started, with the same --master_addr and --master_port") from error  # fmt: skip
         self._set_world_size(dist.get_world_size())
         # Only now is the local rank known under every launcher: it picks the device and each node's writer.
         self.local_rank = int(next((os.environ[n] for n in LOCAL_RANK_VARS if n in os.environ), "0"))
@@ -301,13 +296,10 @@ class DeepspeedStrategy:
     # Optimizer, prepare, backward and step
 
     def create_optimizer(self, model: torch.nn.Module, **kwargs) -> torch.optim.Optimizer:
-        """AdamW over two parameter groups: weight decay on weight matrices and embeddings, none on biases and
-        norm weights (every parameter with fewer than two dimensions). kwargs go to the optimizer (lr, betas,
-        eps, weight_decay). The model may already be sharded: built under deepspeed.zero.Init (as Hugging Face's
-        from_pretrained does at ZeRO 3) or prepared.
-
-        adam_offload: DeepSpeedCPUAdam, a vectorised CPU Adam (compiled on first use). CUDA: torch's fused AdamW,
-        one kernel for all parameters. Elsewhere (CPU): torch's AdamW."""
+        """AdamW with weight decay on weight matrices and embeddings, none on biases and norm weights (parameters
+        of fewer than two dimensions); kwargs go to the optimizer. The model may already be sharded: built under
+        deepspeed.zero.Init (as Hugging Face's from_pretrained does at ZeRO 3), or prepared. With adam_offload,
+        DeepSpeedCPUAdam (compiled on first use); on CUDA torch's fused AdamW; elsewhere torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
         params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
         is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # a ZeRO 3 shard's shape is (0,)
@@ -337,10 +329,8 @@ class DeepspeedStrategy:
         for item in models_or_model_optim_pairs:
             if isinstance(item, tuple):
                 if len(item) != 3:
-                    raise ValueError(
-                        f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
-                        "pass None as the scheduler if there is none"
-                    )
+                    raise ValueError(f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
+                                     "pass None as the scheduler if there is none")  # fmt: skip
                 prepared.append(self._init_train_engine(*item) if item[0] is not None else (None, None, None))
             else:
                 prepared.append(self._init_eval_engine(item) if item is not None else None)
@@ -348,10 +338,8 @@ class DeepspeedStrategy:
 
     def _init_train_engine(self, model, optimizer, scheduler):
         if optimizer is None:
-            raise ValueError(
-                "prepare((model, optimizer, scheduler)) trains and needs an optimizer (strategy.create_optimizer); "
-                "pass the bare model for an eval engine"
-            )
+            raise ValueError("prepare((model, optimizer, scheduler)) trains and needs an optimizer "
+                             "(strategy.create_optimizer); pass the bare model for an eval engine")  # fmt: skip
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=_engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
         )
@@ -396,11 +384,9 @@ class DeepspeedStrategy:
         return dist.get_rank() if dist.is_initialized() else 0
 
     def all_reduce(self, data, op: str = "mean"):
-        """Reduce a tensor, a Python number or a dict of them over all ranks with "mean", "max" or "sum".
-
-        Returns the same kind it was given (a tensor on the tensor's own device, a number, a dict paired by key)
-        and leaves the caller's tensors untouched. Bools and integers reduce exactly: a sum is an int64 count,
-        a mean is float64, a max keeps the dtype."""
+        """Reduce a tensor, a Python number or a dict of them over all ranks with "mean", "max" or "sum". Returns
+        the same kind (a tensor on its own device, a number, a dict paired by key); the caller's tensors stay as
+        they are. Bools and integers reduce exactly: a sum is an int64 count, a mean float64, a max keeps the dtype."""
         if op not in ("mean", "max", "sum"):
             raise ValueError(f"all_reduce op {op!r} must be 'mean', 'max' or 'sum'")
         if isinstance(data, dict):
@@ -454,42 +440,21 @@ class DeepspeedStrategy:
         if self.world_size is None or not dist.is_initialized():
             raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
 
-    def setup_dataloader(
-        self,
-        dataset,
-        batch_size: int,
-        pin_memory: bool = False,
-        shuffle: bool = True,
-        collate_fn=None,
-        drop_last: bool = True,
-        sampler=None,
-        consumed_samples: int = 0,
-    ) -> DataLoader:
+    def setup_dataloader(self, dataset, batch_size: int, pin_memory: bool = False, shuffle: bool = True,
+                         collate_fn=None, drop_last: bool = True, sampler=None, consumed_samples: int = 0) -> DataLoader:  # fmt: skip
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last the sampler pads the last
         shards with repeats), shuffled by the seed and the epoch. consumed_samples (over all ranks) skips that many
         samples at the start, so a resumed run continues where it stopped. Each later pass is the next epoch;
         loader.sampler.set_epoch(epoch, consumed_samples) chooses one."""
         if sampler is None:
-            sampler = DistributedSampler(
-                dataset,
-                num_replicas=self.world_size or 1,
-                rank=self.get_rank(),
-                shuffle=shuffle,
-                seed=self.seed,
-                drop_last=drop_last,
-                consumed_samples=consumed_samples,
-            )
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift
-            # every random number after it (dropout masks), so a resumed run would diverge.
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+            sampler = DistributedSampler(dataset, num_replicas=self.world_size or 1, rank=self.get_rank(),
+                                         shuffle=shuffle, seed=self.seed, drop_last=drop_last,
+                                         consumed_samples=consumed_samples)  # fmt: skip
+        # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
+        # random number after it (dropout masks), so a resumed run would diverge.
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                          pin_memory=pin_memory, drop_last=drop_last, generator=generator)  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------------------
     # Checkpoints (to resume training) and model weights (to use the result)
@@ -523,13 +488,11 @@ class DeepspeedStrategy:
 
     def _commit_checkpoint(self, save_dir, tag, save_latest):
         folder = os.path.join(save_dir, tag)
-        files = {
-            os.path.relpath(os.path.join(root, name), folder + STAGING): os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(folder + STAGING)
-            for name in names
-        }
+        files = {os.path.relpath(os.path.join(root, name), folder + STAGING): os.path.getsize(os.path.join(root, name))
+                 for root, _, names in os.walk(folder + STAGING) for name in names}  # fmt: skip
         done = {"world_size": self.world_size, "zero_stage": self.stage, "bf16": self.bf16, "files": files}
         _write_atomically(os.path.join(folder + STAGING, DONE_FILE), json.dumps(done, indent=1))
+        shutil.rmtree(folder + UNIVERSAL, ignore_errors=True)  # a conversion of what this tag held before
         if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
             shutil.rmtree(folder + REPLACED, ignore_errors=True)
             os.rename(folder, folder + REPLACED)
@@ -539,13 +502,8 @@ class DeepspeedStrategy:
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
-        # Ours are the complete folders; the time their completion marker was written orders them.
         protected = {keep, _read_latest(save_dir)}
-        done = {name: os.path.join(save_dir, name, DONE_FILE) for name in os.listdir(save_dir)}
-        ours = sorted(
-            (n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))),
-            key=lambda n: os.path.getmtime(done[n]),
-        )
+        ours = _complete_checkpoints(save_dir)
         sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
         count, total = len(ours), sum(sizes.values())
         for name in ours:  # oldest first
@@ -553,18 +511,11 @@ class DeepspeedStrategy:
                 break
             if name not in protected:
                 shutil.rmtree(os.path.join(save_dir, name))
+                shutil.rmtree(os.path.join(save_dir, name + UNIVERSAL), ignore_errors=True)
                 count, total = count - 1, total - sizes[name]
 
-    def load_ckpt(
-        self,
-        model,
-        load_dir,
-        tag=None,
-        load_module_strict=True,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-        load_module_only=False,
-    ):
+    def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                  load_lr_scheduler_states=True, load_module_only=False):  # fmt: skip
         """Load a checkpoint written by save_ckpt (the one load_dir/latest names when tag is None) into a
         prepared engine and restore this rank's random generators. Returns (load_path, client_state).
         load_module_only=True loads the weights alone, at every ZeRO stage and from any number of ranks. A
@@ -574,22 +525,29 @@ class DeepspeedStrategy:
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         model = _engine(model)
-        tag = str(tag) if tag is not None else _read_latest(load_dir)
-        folder, problem = self._find_checkpoint(load_dir, tag, load_module_only)
+        if tag is None:  # 'latest' names the checkpoint; if it was lost, the newest complete one stands in
+            tag = _read_latest(load_dir) or next(reversed(_complete_checkpoints(load_dir)), None)
+            if tag is not None and _read_latest(load_dir) is None:
+                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {tag}")
+        folder, done, problem = self._find_checkpoint(load_dir, tag)
         problems = [None] * self.world_size
         dist.all_gather_object(problems, problem)
         first = next((p for p in problems if p is not None), None)
         if first is not None:  # every rank raises, even one whose own files are fine, so none waits alone
             raise FileNotFoundError(first)
-
-        load_path, client_state = model.load_checkpoint(
-            load_dir,
-            folder,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
+        universal = not load_module_only and self._needs_universal(done, os.path.join(load_dir, folder))
+        if universal:
+            self._to_universal(os.path.join(load_dir, folder))
+        # DeepSpeed reads this switch as it loads; setting it in the config would make every load universal.
+        model._config.load_universal_checkpoint = universal
+        try:
+            load_path, client_state = model.load_checkpoint(
+                load_dir, folder + UNIVERSAL if universal else folder, load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+            )  # fmt: skip
+        finally:
+            model._config.load_universal_checkpoint = False
         if load_module_only and _is_zero3(model):
             # A ZeRO 3 checkpoint's module file holds no weights: rebuild them from the optimizer's fp32 shards.
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -599,12 +557,53 @@ class DeepspeedStrategy:
         rng_file = os.path.join(load_dir, folder, RNG_FILE.format(rank=self.get_rank()))
         if os.path.isfile(rng_file):
             _set_rng_states(torch.load(rng_file, weights_only=True))
+        else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
+            self.set_seed(self.seed + 1000 * model.global_steps + self.get_rank())
         return load_path, client_state
 
-    def _find_checkpoint(self, load_dir, tag, load_module_only):
-        """(the folder holding tag's complete checkpoint, None) or (None, why this rank cannot load it)."""
+    def _needs_universal(self, done, ckpt_dir) -> bool:
+        """Whether this run, in another shape than the checkpoint's, must load it through DeepSpeed's universal
+        format; raises ValueError on every rank (all read the same file) where no load can work."""
+        saved, here = (done["world_size"], done["zero_stage"], done["bf16"]), (self.world_size, self.stage, self.bf16)
+        if saved == here or (saved[1:] == here[1:] == (0, False)):  # fp32 stage 0 holds the optimizer whole
+            return False
+        if {saved[1], here[1]} <= {1, 2} and saved[2] == here[2]:  # ZeRO 1 and 2 shard alike, by flat ranges
+            return True
+        shape = lambda ranks, stage, bf16: f"{ranks} ranks at ZeRO {stage} in {'bf16' if bf16 else 'fp32'}"  # noqa: E731
+        raise ValueError(
+            f"checkpoint {ckpt_dir} was saved by {shape(*saved)} and this run has {shape(*here)}: DeepSpeed "
+            f"{deepspeed.__version__} carries optimizer states to another shape only between ZeRO 1 and 2 (any "
+            "numbers of ranks) and at fp32 ZeRO 0, in the saved dtype. Resume in such a shape, or pass "
+            "load_module_only=True for the weights alone"
+        )
+
+    def _to_universal(self, ckpt_dir) -> None:
+        """Convert ckpt_dir to DeepSpeed's universal format once, into ckpt_dir + '.universal' beside it (the
+        original is only read); later loads reuse it. Rank 0 converts; an error reaches every rank."""
+        box = [None]
+        if self.is_rank_0() and not os.path.isdir(ckpt_dir + UNIVERSAL):
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            self.print(f"converting {ckpt_dir} to DeepSpeed's universal format, once, for this run's shape")
+            staging = tempfile.mkdtemp(prefix=os.path.basename(ckpt_dir) + ".converting-", dir=os.path.dirname(ckpt_dir))
+            try:
+                ds_to_universal(argparse.Namespace(
+                    input_folder=ckpt_dir, output_folder=staging, num_extract_workers=1, num_merge_workers=1,
+                    keep_temp_folder=False, strict=True, inject_missing_state=True,
+                ))  # fmt: skip
+                os.rename(staging, ckpt_dir + UNIVERSAL)
+            except Exception as error:
+                box[0] = f"converting {ckpt_dir} to DeepSpeed's universal format failed: {error!r}"
+                shutil.rmtree(staging, ignore_errors=True)
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RuntimeError(box[0])
+
+    def _find_checkpoint(self, load_dir, tag):
+        """(the folder holding tag's complete checkpoint, its completion record, None), or (None, None, why this
+        rank cannot load it)."""
         if tag is None:
-            return None, f"no checkpoint to resume in {load_dir}: it has no 'latest' file (check the path, or pass a tag)"
+            return None, None, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint (check the path)"
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
         for folder in (tag, tag + STAGING, tag + REPLACED):
             try:
@@ -614,25 +613,22 @@ class DeepspeedStrategy:
             except (OSError, ValueError):
                 continue
         else:
-            return None, (
+            return None, None, (
                 f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} sees it "
                 f"(no {DONE_FILE}): the run may have stopped while saving it, or this node cannot see the folder "
                 "(checkpoints need a filesystem every node shares); load an earlier tag"
             )
         ckpt_dir = os.path.join(load_dir, folder)
-        if done["world_size"] != self.world_size and not load_module_only:
-            return None, (
-                f"checkpoint {ckpt_dir} was saved by {done['world_size']} ranks and this run has {self.world_size}: "
-                "resume with the same number of ranks, or pass load_module_only=True for the weights alone"
-            )
+        done.setdefault("zero_stage", self.stage)  # recorded since the first release that resumes across shapes
+        done.setdefault("bf16", self.bf16)
         if self.local_rank == 0:  # once per node: every file there, at the size it was written
             for name, size in done.get("files", {}).items():
                 path = os.path.join(ckpt_dir, name)
                 found = os.path.getsize(path) if os.path.isfile(path) else None
                 if found != size:
                     state = "is missing" if found is None else f"has {found} bytes where the save wrote {size}"
-                    return None, f"checkpoint file {path} {state} (seen from {socket.gethostname()}); load an earlier tag"
-        return folder, None
+                    return None, None, f"checkpoint file {path} {state} (seen from {socket.gethostname()}); load an earlier tag"
+        return folder, done, None
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights, gathered from every rank at ZeRO 3, to output_dir: pytorch_model.bin (a state
@@ -690,10 +686,8 @@ class DeepspeedStrategy:
         try:
             state_dict = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise ValueError(
-                f"refusing to load {path}: it holds Python objects besides tensors, and unpickling them could run "
-                f"code. Load only weights saved as a state dict (save_model writes one).\n{error}"
-            ) from None
+            raise ValueError(f"refusing to load {path}: it holds Python objects besides tensors, and unpickling them "
+                             f"could run code. Load only a state dict (save_model writes one).\n{error}") from None  # fmt: skip
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
         self._load_state_dict(model, state_dict, strict, source=path)
@@ -855,6 +849,13 @@ def _write_atomically(path: str, text: str) -> None:
 
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _complete_checkpoints(save_dir: str) -> list:
+    """The complete checkpoints in save_dir, oldest first (by when they were completed)."""
+    done = {n: os.path.join(save_dir, n, DONE_FILE) for n in (os.listdir(save_dir) if os.path.isdir(save_dir) else [])}
+    complete = [n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))]
+    return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
 
 
 def _read_latest(save_dir: str):

@@ -9,6 +9,7 @@ group across many cases: this file is also the worker those launches start
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -481,10 +482,28 @@ def crash_run(tmp_path_factory):
     return out, returncode, output
 
 
+@contextlib.contextmanager
+def in_this_process():
+    """This process as a one-rank world, as under plain `python`; what setup_distributed sets is undone after."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name in LAUNCH_VARS:
+            monkeypatch.delenv(name, raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
-def core_run(tmp_path_factory, crash_run):
+def one_rank_run(tmp_path_factory):
+    """One rank at ZeRO 2, 6 steps with a checkpoint after step 3, for the launch of two ranks to resume."""
+    out = tmp_path_factory.mktemp("one_rank")
+    with in_this_process():
+        return out, run_with_checkpoint_at_step_3(2, str(out / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def core_run(tmp_path_factory, crash_run, one_rank_run):
     out = tmp_path_factory.mktemp("core")
-    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "core", str(out), str(crash_run[0])), 600)
+    cmd = torchrun("test_get_strategy.py", "--worker", "core", str(out), str(crash_run[0]), str(one_rank_run[0]))
+    returncode, output = launch(cmd, 600)
     assert returncode == 0, output[-5000:]
     results = [read_results(out, rank) for rank in range(WORLD)]
     return results, out
@@ -635,6 +654,56 @@ def test_a_node_that_cannot_see_rank_0s_files_refuses_the_checkpoint_on_every_ra
     for got in case(core_run, "node_local"):
         assert got.startswith("FileNotFoundError: checkpoint file "), got
         assert re.search(r"/(mp_rank_00_|zero_pp_rank_0_|rng_state_rank0)[^ ]* is missing", got), got  # rank 0's
+
+
+def assert_resumed_like(resumed, uninterrupted, rel):
+    """Steps 4 to 6 and the final weights of a resumed run against the uninterrupted run's."""
+    assert resumed["steps"] == pytest.approx(uninterrupted["steps"][3:], rel=rel)
+    for name, value in uninterrupted["params"].items():
+        difference = (resumed["params"][name].float() - value.float()).abs().max() / value.float().abs().max()
+        assert difference.item() < rel, (name, difference.item())
+
+
+@pytest.mark.parametrize("saved", ["zero2", "zero0"])
+def test_a_two_rank_fp32_checkpoint_resumes_on_one_rank_like_the_uninterrupted_run(core_run, saved):
+    _, out = core_run
+    uninterrupted = case(core_run, f"reshape_saved_{saved}")[0]
+    with in_this_process():
+        resumed = resume_at_step_3({"zero2": 2, "zero0": 0}[saved], str(out / f"reshape_{saved}"))
+    assert_resumed_like(resumed, uninterrupted, rel=1e-5)
+
+
+def test_a_one_rank_zero_2_checkpoint_resumes_on_two_ranks_at_zero_1_like_the_uninterrupted_run(core_run, one_rank_run):
+    for resumed in case(core_run, "reshape_from_one_rank"):
+        assert_resumed_like(resumed, one_rank_run[1], rel=1e-5)
+
+
+def test_a_bf16_checkpoint_resumes_on_one_rank_within_bf16_rounding(core_run):
+    _, out = core_run
+    uninterrupted = case(core_run, "reshape_saved_zero2_bf16")[0]
+    with in_this_process():
+        resumed = resume_at_step_3(2, str(out / "reshape_zero2_bf16"), bf16=True)
+    assert_resumed_like(resumed, uninterrupted, rel=2e-2)  # bf16 keeps 8 bits: steps of 0.4% to 0.8%
+
+
+def test_a_conversion_for_another_shape_is_cached_beside_the_checkpoint_which_stays_as_saved(core_run):
+    _, out = core_run
+    folder = out / "reshape_zero2" / "global_step3"
+    converted = folder.parent / "global_step3.universal"
+    with in_this_process():
+        resume_at_step_3(2, str(folder.parent))  # converts, unless an earlier resume on one rank did
+        stamp = (converted / "zero" / "optimizer_state.pt").stat().st_mtime_ns
+        resume_at_step_3(2, str(folder.parent))
+    assert (converted / "zero" / "optimizer_state.pt").stat().st_mtime_ns == stamp  # reused, not made again
+    done = json.loads((folder / "checkpoint_complete.json").read_text())
+    assert {n: (folder / n).stat().st_size for n in done["files"]} == done["files"]  # the original as saved
+    assert sorted(os.listdir(folder)) == sorted([*done["files"], "checkpoint_complete.json"])
+
+
+def test_a_shape_deepspeed_cannot_carry_optimizer_states_to_is_refused_naming_both(core_run):
+    for got in case(core_run, "reshape_refused"):
+        assert "was saved by 2 ranks at ZeRO 2 in fp32 and this run has 2 ranks at ZeRO 3 in fp32" in got, got
+        assert "load_module_only=True" in got
 
 
 def test_dataloader_gives_each_rank_a_disjoint_seeded_shard_and_skips_consumed_samples(core_run):
@@ -1150,6 +1219,32 @@ def train(strategy, engine, optimizer, scheduler, loader, steps):
     return losses
 
 
+def step_losses(losses, accumulation):
+    """The loss of each optimizer step from its micro-batches' losses: the same whatever the number of ranks."""
+    return [sum(losses[i : i + accumulation]) / accumulation for i in range(0, len(losses), accumulation)]
+
+
+def run_with_checkpoint_at_step_3(stage, ckpt_dir, bf16=False):
+    """6 steps over a shuffled loader with a checkpoint after step 3: the uninterrupted run."""
+    strategy = new_strategy(stage, bf16=bf16)
+    engine, optimizer, scheduler = prepared(strategy)
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO))
+    losses = train(strategy, engine, optimizer, scheduler, batches, 3)
+    strategy.save_ckpt(engine, ckpt_dir, client_state={"consumed_samples": 3 * TRAIN})
+    losses += train(strategy, engine, optimizer, scheduler, batches, 3)
+    return dict(steps=step_losses(losses, strategy.accumulated_gradient), params=full_params(engine))
+
+
+def resume_at_step_3(stage, ckpt_dir, bf16=False):
+    """Fresh engines, elsewhere initialised, resumed from the checkpoint for steps 4 to 6."""
+    strategy = new_strategy(stage, bf16=bf16)
+    engine, optimizer, scheduler = prepared(strategy, init_seed=999)
+    _, client_state = strategy.load_ckpt(engine, ckpt_dir)
+    loader = strategy.setup_dataloader(make_dataset(), MICRO, consumed_samples=client_state["consumed_samples"])
+    losses = train(strategy, engine, optimizer, scheduler, loader, 3)
+    return dict(steps=step_losses(losses, strategy.accumulated_gradient), params=full_params(engine))
+
+
 def train_like_the_reference(stage, **flags):
     """STEPS optimizer steps through the strategy over the reference's batches (the loader unshuffled)."""
     strategy = new_strategy(stage, **flags)
@@ -1573,6 +1668,17 @@ def worker_moving_average(results, rank):
         )
 
 
+def worker_reshape(results, rank, out_dir, one_rank_dir):
+    for name, stage, bf16 in (("zero2", 2, False), ("zero0", 0, False), ("zero2_bf16", 2, True)):
+        results[f"reshape_saved_{name}"] = run_with_checkpoint_at_step_3(stage, os.path.join(out_dir, f"reshape_{name}"), bf16)
+    results["reshape_from_one_rank"] = resume_at_step_3(1, os.path.join(one_rank_dir, "ckpt"))  # saved at ZeRO 2
+    try:
+        resume_at_step_3(3, os.path.join(out_dir, "reshape_zero2"))
+        results["reshape_refused"] = "loaded"
+    except ValueError as error:
+        results["reshape_refused"] = str(error)
+
+
 def worker_node_local(results, rank, out_dir):
     """Rank 1 plays the first rank of a second node whose disk is its own: it holds what that node's ranks
     wrote (and, as each node's first rank once wrote them, the markers), not rank 0's files."""
@@ -1597,7 +1703,7 @@ def worker_node_local(results, rank, out_dir):
         results["node_local"] = f"{type(error).__name__}: {error}"
 
 
-def run_core(out_dir, crash_dir):
+def run_core(out_dir, crash_dir, one_rank_dir):
     rank = int(os.environ["RANK"])
     results = {"errors": {}}
     cases = [
@@ -1620,6 +1726,7 @@ def run_core(out_dir, crash_dir):
         (worker_node_local, (out_dir,)),
         (worker_actor, (out_dir,)),
         (worker_moving_average, ()),
+        (worker_reshape, (out_dir, one_rank_dir)),
     ]
     for function, extra in cases:
         try:
@@ -1646,6 +1753,8 @@ CASE_KEYS = {
     "module_only": ["module_only_zero3"],
     "actor": ["actor_stage2", "actor_stage3"],
     "moving_average": [f"moving_average_stage{s}" for s in range(4)],
+    "reshape": ["reshape_saved_zero2", "reshape_saved_zero0", "reshape_saved_zero2_bf16", "reshape_from_one_rank",
+                "reshape_refused"],
 }
 
 
@@ -1696,10 +1805,11 @@ if __name__ == "__main__":
     parser.add_argument("--worker", choices=["core", "crash", "mismatch", "rendezvous"], required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
+    parser.add_argument("one_rank_dir", nargs="?")
     parser.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     cli = parser.parse_args()
     if cli.worker == "core":
-        run_core(cli.out_dir, cli.crash_dir)
+        run_core(cli.out_dir, cli.crash_dir, cli.one_rank_dir)
     elif cli.worker == "crash":
         run_crash(cli.out_dir)
     elif cli.worker == "rendezvous":

@@ -169,6 +169,9 @@ def check_args(args, parser):
         return f"--n_head {args.n_head} must divide --n_embd {args.n_embd} (try --n_head {' or '.join(map(str, sorted(nearest)))})"
     if args.save_steps != -1 and args.save_steps < 1:
         return f"--save_steps {args.save_steps} must be -1 (never) or at least 1"
+    if os.path.isfile(os.path.join(args.ckpt_path, "checkpoint_complete.json")):
+        parent = os.path.dirname(os.path.abspath(args.ckpt_path))
+        return f"--ckpt_path {args.ckpt_path} is one checkpoint, not the folder of checkpoints: pass {parent}"
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         return f"--stop_at_step {args.stop_at_step} must be between 1 and --max_steps {args.max_steps}"
 
@@ -437,14 +440,20 @@ def main(args):
     val_loader = strategy.setup_dataloader(val_set, args.micro_train_batch_size, shuffle=False)
 
     start_step = 0
-    if args.load_checkpoint and os.path.isfile(os.path.join(args.ckpt_path, "latest")):
-        _, client_state = strategy.load_ckpt(engine, args.ckpt_path)
+    # Start afresh only where nothing was ever completed: anything else resumes, or stops with the reason.
+    started_before = os.path.isdir(args.ckpt_path) and any(
+        name == "latest" or os.path.isfile(os.path.join(args.ckpt_path, name, "checkpoint_complete.json"))
+        for name in os.listdir(args.ckpt_path)
+    )
+    if args.load_checkpoint and started_before:
+        load_path, client_state = strategy.load_ckpt(engine, args.ckpt_path)
         start_step = client_state["consumed_samples"] // args.train_batch_size
-        strategy.print(f"resumed from {args.ckpt_path} at step {start_step}")
+        strategy.print(f"resumed from {os.path.dirname(load_path)} at step {start_step}")
     elif args.load_checkpoint:
         strategy.print(f"no checkpoint in {args.ckpt_path} yet: starting from step 0")
 
     def save_checkpoint(step):
+        started = time.perf_counter()
         strategy.save_ckpt(
             engine,
             args.ckpt_path,
@@ -452,6 +461,9 @@ def main(args):
             max_mem=args.max_ckpt_mem,
             client_state={"consumed_samples": step * args.train_batch_size},
         )
+        folder = os.path.join(args.ckpt_path, f"global_step{step}")
+        size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+        log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s")
 
     def log(message):
         if strategy.is_rank_0():

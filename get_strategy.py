@@ -5,14 +5,8 @@ It imports only the standard library, torch and deepspeed, so you can copy it in
 names and signatures follow OpenRLHF 0.8.5's DeepspeedStrategy: its SFT, reward-model and DPO trainers run on
 this file with two import lines changed (README, "Running OpenRLHF's trainers").
 
-Use it in a training script:
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], required=True)
-    parser.add_argument("--micro_train_batch_size", type=int, default=4)
-    parser.add_argument("--train_batch_size", type=int, default=32)
-    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes --local_rank
-    args = parser.parse_args()
+Use it in a training script, with args from your argparse parser (README, "Using it in your trainer", shows one;
+it needs --zero_stage, and --local_rank under the deepspeed launcher):
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
@@ -39,6 +33,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import socket
 import tempfile
 from datetime import timedelta
@@ -155,6 +150,7 @@ class DeepspeedStrategy:
         self.accumulated_gradient = None  # micro-steps per optimizer step, known after setup_distributed()
         self.is_rlhf = False
         self._ema_calls = 0  # moving_average() updates on every accumulated_gradient-th call
+        self._stop_signal = None  # preemption_signal(): None until its first call, then the signal received or 0
 
     # ---------------------------------------------------------------------------------------------------------
     # Seeding and distributed set-up
@@ -212,7 +208,7 @@ class DeepspeedStrategy:
                 raise
             except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
                 raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): check that all "
-                                   "were started, with the same --master_addr and --master_port") from error  # fmt: skip
+                                   "were started with the same --master_addr and --master_port") from error  # fmt: skip
         self._set_world_size(dist.get_world_size())
         # Only now is the local rank known under every launcher: it picks the device and each node's writer.
         self.local_rank = int(next((os.environ[n] for n in LOCAL_RANK_VARS if n in os.environ), "0"))
@@ -220,10 +216,10 @@ class DeepspeedStrategy:
 
     def teardown(self) -> None:
         """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
-        Without it a finished run can still abort at exit ("terminate called without an active exception"): a
-        gloo worker thread releasing DeepSpeed's last collective needs the interpreter lock just as Python shuts
-        down, and Python ends such threads. Measured with two ranks on a loaded 2-core CPU: 3 of 40 runs aborted
-        after barrier and destroy alone, none of 56 with the collection too (6 of 16 unloaded with no teardown)."""
+        Without it a finished run can abort at exit ("terminate called without an active exception"): a gloo
+        thread releasing DeepSpeed's last collective needs the interpreter lock as Python shuts down, and Python
+        ends such threads. Two ranks on a loaded 2-core CPU: 3 of 40 runs aborted after barrier and destroy alone,
+        none of 56 with the collection too (6 of 16 unloaded with no teardown at all)."""
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -393,7 +389,8 @@ class DeepspeedStrategy:
             reduced = {key: self.all_reduce(data[key], op) for key in self._keys_in_rank_order(data, "all_reduce")}
             return {key: reduced[key] for key in data}  # in the caller's order
         if not isinstance(data, torch.Tensor):  # Python bool, int or float: a float64 for floats, exact otherwise
-            return self.all_reduce(torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None), op).item()
+            data = torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None)
+            return self.all_reduce(data, op).item()
         self._require_process_group("all_reduce")
         exact = not data.is_floating_point() and not data.is_complex()  # bool or integer
         tensor = data.detach().to(get_accelerator().current_device_name(), torch.int64 if exact else None, copy=True)
@@ -436,16 +433,25 @@ class DeepspeedStrategy:
             raise ValueError(f"{what} of a dict needs the same keys on every rank; got per rank: {every_rank}")
         return keys
 
+    def preemption_signal(self) -> int:
+        """The signal any rank was sent since the first call, which starts listening: SIGTERM (sent before a job is
+        killed) or SIGUSR1 (SLURM's advance notice); 0 if none. Call it on every rank between optimizer steps (one
+        small all-reduce); on a signal, save a checkpoint and exit with 128 + it, as train_example.py does."""
+        if self._stop_signal is None:
+            self._stop_signal = 0
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(signum, lambda signum, frame: setattr(self, "_stop_signal", signum))
+        return self.all_reduce(self._stop_signal, "max")
+
     def _require_process_group(self, what: str) -> None:
         if self.world_size is None or not dist.is_initialized():
             raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
 
     def setup_dataloader(self, dataset, batch_size: int, pin_memory: bool = False, shuffle: bool = True,
-                         collate_fn=None, drop_last: bool = True, sampler=None, consumed_samples: int = 0) -> DataLoader:  # fmt: skip
-        """A DataLoader over this rank's disjoint shard of dataset (without drop_last the sampler pads the last
-        shards with repeats), shuffled by the seed and the epoch. consumed_samples (over all ranks) skips that many
-        samples at the start, so a resumed run continues where it stopped. Each later pass is the next epoch;
-        loader.sampler.set_epoch(epoch, consumed_samples) chooses one."""
+                         collate_fn=None, drop_last=True, sampler=None, consumed_samples=0) -> DataLoader:  # fmt: skip
+        """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
+        by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
+        later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one."""
         if sampler is None:
             sampler = DistributedSampler(dataset, num_replicas=self.world_size or 1, rank=self.get_rank(),
                                          shuffle=shuffle, seed=self.seed, drop_last=drop_last,
@@ -562,30 +568,28 @@ class DeepspeedStrategy:
         return load_path, client_state
 
     def _needs_universal(self, done, ckpt_dir) -> bool:
-        """Whether this run, in another shape than the checkpoint's, must load it through DeepSpeed's universal
-        format; raises ValueError on every rank (all read the same file) where no load can work."""
+        """Whether a checkpoint of another shape loads through DeepSpeed's universal format; ValueError if none can."""
         saved, here = (done["world_size"], done["zero_stage"], done["bf16"]), (self.world_size, self.stage, self.bf16)
         if saved == here or (saved[1:] == here[1:] == (0, False)):  # fp32 stage 0 holds the optimizer whole
             return False
         if {saved[1], here[1]} <= {1, 2} and saved[2] == here[2]:  # ZeRO 1 and 2 shard alike, by flat ranges
             return True
-        shape = lambda ranks, stage, bf16: f"{ranks} ranks at ZeRO {stage} in {'bf16' if bf16 else 'fp32'}"  # noqa: E731
+        was, now = (f"{n} ranks at ZeRO {stage} in {'bf16' if bf16 else 'fp32'}" for n, stage, bf16 in (saved, here))
         raise ValueError(
-            f"checkpoint {ckpt_dir} was saved by {shape(*saved)} and this run has {shape(*here)}: DeepSpeed "
+            f"checkpoint {ckpt_dir} was saved by {was} and this run has {now}: DeepSpeed "
             f"{deepspeed.__version__} carries optimizer states to another shape only between ZeRO 1 and 2 (any "
             "numbers of ranks) and at fp32 ZeRO 0, in the saved dtype. Resume in such a shape, or pass "
             "load_module_only=True for the weights alone"
         )
 
     def _to_universal(self, ckpt_dir) -> None:
-        """Convert ckpt_dir to DeepSpeed's universal format once, into ckpt_dir + '.universal' beside it (the
-        original is only read); later loads reuse it. Rank 0 converts; an error reaches every rank."""
+        """Convert ckpt_dir once, on rank 0, into ckpt_dir + '.universal' beside it; later loads reuse that."""
         box = [None]
         if self.is_rank_0() and not os.path.isdir(ckpt_dir + UNIVERSAL):
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
             self.print(f"converting {ckpt_dir} to DeepSpeed's universal format, once, for this run's shape")
-            staging = tempfile.mkdtemp(prefix=os.path.basename(ckpt_dir) + ".converting-", dir=os.path.dirname(ckpt_dir))
+            staging = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(ckpt_dir))
             try:
                 ds_to_universal(argparse.Namespace(
                     input_folder=ckpt_dir, output_folder=staging, num_extract_workers=1, num_merge_workers=1,
@@ -600,10 +604,9 @@ class DeepspeedStrategy:
             raise RuntimeError(box[0])
 
     def _find_checkpoint(self, load_dir, tag):
-        """(the folder holding tag's complete checkpoint, its completion record, None), or (None, None, why this
-        rank cannot load it)."""
+        """(folder holding tag's complete checkpoint, its record, None), or (None, None, why this rank cannot)."""
         if tag is None:
-            return None, None, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint (check the path)"
+            return None, None, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint"
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
         for folder in (tag, tag + STAGING, tag + REPLACED):
             try:
@@ -619,23 +622,21 @@ class DeepspeedStrategy:
                 "(checkpoints need a filesystem every node shares); load an earlier tag"
             )
         ckpt_dir = os.path.join(load_dir, folder)
-        done.setdefault("zero_stage", self.stage)  # recorded since the first release that resumes across shapes
-        done.setdefault("bf16", self.bf16)
+        done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
         if self.local_rank == 0:  # once per node: every file there, at the size it was written
             for name, size in done.get("files", {}).items():
                 path = os.path.join(ckpt_dir, name)
                 found = os.path.getsize(path) if os.path.isfile(path) else None
                 if found != size:
-                    state = "is missing" if found is None else f"has {found} bytes where the save wrote {size}"
-                    return None, None, f"checkpoint file {path} {state} (seen from {socket.gethostname()}); load an earlier tag"
+                    state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
+                    return None, None, f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag"
         return folder, done, None
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
-        """Write the full weights, gathered from every rank at ZeRO 3, to output_dir: pytorch_model.bin (a state
-        dict) for a plain module, or through model.save_pretrained(output_dir, state_dict=...) when it has one; a
-        tokenizer with save_pretrained is saved beside it. The keys are module.state_dict()'s, and tied tensors
-        stay tied. Rank 0 writes each file to a temporary name and renames it, so no reader sees a partial file.
-        All ranks must call it. This, with load_model, is the safe way to exchange weights."""
+        """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's
+        save_pretrained(output_dir, state_dict=...) when it has one, with a tokenizer's save_pretrained beside it.
+        The keys are module.state_dict()'s and tied tensors stay tied; rank 0 writes each file under a temporary
+        name and renames it. All ranks must call it. With load_model, the safe way to exchange weights."""
         module = self._unwrap_model(model)
         state_dict = self._full_state_dict(model)  # collective at ZeRO 3
         if self.is_rank_0():
@@ -679,23 +680,21 @@ class DeepspeedStrategy:
         return state_dict
 
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
-        """Load a state dict file into model (a plain module or an engine; an engine's optimizer then trains on
-        from the loaded weights). The file is read with weights_only=True: one that carries Python objects beyond
-        tensors is refused, and its code never runs. A file none of whose keys the model has is refused even
-        with strict=False; otherwise rank 0 reports the keys that were missing or unexpected."""
+        """Load a state dict file into model (a module or an engine, which then trains on from it), reading tensors
+        only (weights_only=True): a file carrying other objects is refused and its code never runs. A file none of
+        whose keys the model has is refused even with strict=False; else rank 0 reports missing and extra keys."""
         try:
             state_dict = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise ValueError(f"refusing to load {path}: it holds Python objects besides tensors, and unpickling them "
-                             f"could run code. Load only a state dict (save_model writes one).\n{error}") from None  # fmt: skip
+            raise ValueError(f"refusing to load {path}: it holds Python objects besides tensors, and unpickling "
+                             f"them could run code; load a state dict (save_model writes one).\n{error}") from None
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
         self._load_state_dict(model, state_dict, strict, source=path)
 
     def _load_state_dict(self, model, state_dict, strict, source) -> None:
-        """Load state_dict into model's weights and, for a training engine, into its optimizer's fp32 master
-        copy, which the next step would otherwise write back over the loaded weights. At ZeRO 3 only rank 0's
-        state_dict is read (the others may pass None): its values reach every rank's shard."""
+        """Load state_dict into model and into a training engine's fp32 master copy, which the next step would
+        otherwise write back. At ZeRO 3 rank 0's state_dict (others may pass None) reaches every rank's shard."""
         module = self._unwrap_model(model)
         zero3 = _is_zero3(model)
         box = [None]
@@ -725,6 +724,7 @@ class DeepspeedStrategy:
 
     ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
+    @torch.no_grad()
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
         """OpenRLHF PPO's exponential moving average: on every accumulated_gradient-th call (once per optimizer
         step) each trainable weight of model_ema becomes beta * itself + (1 - beta) * model's, computed on device.
@@ -733,12 +733,12 @@ class DeepspeedStrategy:
         if self._ema_calls % self.accumulated_gradient:
             return
         pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
-        with torch.no_grad():
-            for param, ema in pairs:
-                if not param.requires_grad:
-                    continue
-                # No-ops for weights that are not sharded. The EMA's gather keeps rank 0's result on exit.
-                with deepspeed.zero.GatheredParameters([param]), deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
+        for param, ema in pairs:
+            if not param.requires_grad:
+                continue
+            # No-ops for weights that are not sharded. The EMA's gather keeps rank 0's result on exit.
+            with deepspeed.zero.GatheredParameters([param]):
+                with deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
                     ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
 
 
@@ -774,10 +774,10 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 def _actor_inner(model):
     """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
     a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
-    if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
+    inner = getattr(model, "model", None)  # an engine forwards unknown attributes, `.model` too, to its module
+    if isinstance(model, deepspeed.DeepSpeedEngine) or hasattr(model, "save_pretrained"):
         return None
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
+    if not isinstance(inner, torch.nn.Module):
         return None
     own = {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
     return None if own else inner
@@ -880,10 +880,8 @@ def get_strategy(args) -> DeepspeedStrategy:
         )
     for flag, (off, feature) in LEFT_OUT.items():
         if getattr(args, flag, off) != off:
-            raise ValueError(
-                f"--{flag} {getattr(args, flag)!r} asks for {feature}, which get_strategy.py does not do: "
-                f"leave it at {off!r}, or use OpenRLHF's own strategy"
-            )
+            raise ValueError(f"--{flag} {getattr(args, flag)!r} asks for {feature}, which get_strategy.py does not "
+                             f"do: leave it at {off!r}, or use OpenRLHF's own strategy")  # fmt: skip
     return DeepspeedStrategy(
         seed=getattr(args, "seed", SEED),
         full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),

@@ -1152,6 +1152,35 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
     assert (example_dir / "weights_resumed" / "pytorch_model.bin").read_bytes() == first
 
 
+def test_a_signal_to_one_rank_stops_every_rank_at_a_checkpoint_and_the_same_command_continues_exactly(
+    deepspeed_two_ranks, example_dir
+):
+    import signal
+
+    ckpt = str(example_dir / "ckpt_preempted")
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, **ONE_THREAD, "PYTHONUNBUFFERED": "1"}
+    command = torchrun("train_example.py", *SHARED, "--ckpt_path", ckpt, "--load_checkpoint")
+    run = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in run.stdout:
+        seen.append(line)
+        if "step     2 | train loss" in line:  # then SIGTERM to one worker alone, as a scheduler's may arrive
+            with open(f"/proc/{run.pid}/task/{run.pid}/children") as f:
+                os.kill(int(f.read().split()[-1]), signal.SIGTERM)
+            break
+    output = "".join(seen) + run.communicate(timeout=120)[0]
+    stopped = re.search(r"stopped by signal 15 at step (\d+)", output)
+    assert stopped, output[-3000:]
+    assert re.search(r"exitcode\s*:\s*143", output), output[-3000:]  # 128 + SIGTERM, reported by torchrun
+    step = int(stopped.group(1))
+    assert os.path.isfile(os.path.join(ckpt, f"global_step{step}", "checkpoint_complete.json"))
+    resumed = run_example(command + ["--save_path", str(example_dir / "weights_preempted")])
+    assert f"at step {step}" in resumed
+    assert losses(output, "train") | losses(resumed, "train") == losses(deepspeed_two_ranks, "train")
+    first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
+    assert (example_dir / "weights_preempted" / "pytorch_model.bin").read_bytes() == first
+
+
 def test_zero3_weights_load_into_plain_torch_and_give_the_reported_held_out_loss(deepspeed_two_ranks, example_dir):
     import re
 

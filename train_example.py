@@ -30,6 +30,7 @@ import io
 import math
 import os
 import re
+import sys
 import sysconfig
 import tempfile
 import time
@@ -463,7 +464,7 @@ def main(args):
         )
         folder = os.path.join(args.ckpt_path, f"global_step{step}")
         size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
-        log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s")
+        log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f} s")
 
     def log(message):
         if strategy.is_rank_0():
@@ -500,8 +501,17 @@ def main(args):
             log(f"step {step:5d} | train loss {step_loss:.6f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s")
         if step % args.eval_steps == 0 and step < args.max_steps:
             held_out_loss(step)
-        if (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step:
+        saves = (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step
+        if saves:
             save_checkpoint(step)
+        stop = strategy.preemption_signal()  # every rank agrees, once any rank was sent SIGTERM or SIGUSR1
+        if stop:
+            if not saves:
+                save_checkpoint(step)
+            bar.close()
+            strategy.print(f"stopped by signal {stop} at step {step}; rerun with --load_checkpoint to continue")
+            strategy.teardown()
+            sys.exit(128 + stop)  # as a process killed by the signal exits, so the scheduler sees an early stop
     bar.close()
 
     if last_step < args.max_steps:

@@ -36,6 +36,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import zipfile
 from datetime import timedelta
 
 import deepspeed
@@ -90,22 +91,10 @@ class DeepspeedStrategy:
     """Everything a DeepSpeed trainer needs around its model: set-up, configuration, the training step's
     wrappers, collective helpers and checkpoints. Build it with get_strategy(args)."""
 
-    def __init__(
-        self,
-        seed=SEED,
-        full_determinism=FULL_DETERMINISM,
-        max_norm=MAX_NORM,
-        micro_train_batch_size=MICRO_TRAIN_BATCH_SIZE,
-        train_batch_size=TRAIN_BATCH_SIZE,
-        zero_stage=ZERO_STAGE,
-        bf16=BF16,
-        args=None,
-        *,
-        adam_offload=ADAM_OFFLOAD,
-        overlap_comm=OVERLAP_COMM,
-        grad_accum_dtype=GRAD_ACCUM_DTYPE,
-        local_rank=LOCAL_RANK,
-    ) -> None:
+    def __init__(self, seed=SEED, full_determinism=FULL_DETERMINISM, max_norm=MAX_NORM,
+                 micro_train_batch_size=MICRO_TRAIN_BATCH_SIZE, train_batch_size=TRAIN_BATCH_SIZE,
+                 zero_stage=ZERO_STAGE, bf16=BF16, args=None, *, adam_offload=ADAM_OFFLOAD, overlap_comm=OVERLAP_COMM,
+                 grad_accum_dtype=GRAD_ACCUM_DTYPE, local_rank=LOCAL_RANK) -> None:  # OpenRLHF's order, then ours
         # Check all that does not need the world size now, so a bad flag fails on every rank before any process
         # group exists. setup_distributed() checks the rest. Each condition guards its own type first.
         weights_dtype = "bf16" if bf16 is True else "fp32"
@@ -197,9 +186,17 @@ class DeepspeedStrategy:
                 self._set_world_size(int(launched_world_size))
             # nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory all-reduce for ranks on one host.
             # Under mpirun this is also where DeepSpeed discovers the ranks and sets LOCAL_RANK.
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            env, backend = os.environ, get_accelerator().communication_backend_name()
+            where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
             try:
-                deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
+                if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                    # torchrun keeps one store across restarts: this attempt's keys get a prefix of their own, or a
+                    # restarted rank reads the addresses of dead ranks. DeepSpeed then adopts this process group.
+                    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+                    store = dist.PrefixStore(f"attempt{env['TORCHELASTIC_RESTART_COUNT']}/", agent)
+                    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+                    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
             except dist.DistNetworkError as error:  # the rendezvous port is taken
                 if "EADDRINUSE" in str(error):
                     raise RuntimeError(f"port {where} is already in use, perhaps by another run on this machine: start "
@@ -467,14 +464,11 @@ class DeepspeedStrategy:
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
-        (your loop's counters), and every rank's random generators. All ranks must call it, and save_dir must be
-        on a filesystem every rank sees (one shared by all nodes).
-
-        Every rank writes into save_dir/<tag>.saving (default tag: global_step<N>); then rank 0 writes
-        checkpoint_complete.json, swaps the folder in as save_dir/<tag>, and only then points save_dir/latest at
-        it, so a crash at any moment leaves the previous complete checkpoint loadable. Then the oldest complete
-        checkpoints go until at most max_num, and max_mem GB, remain (never the new one, the one 'latest' names,
-        or a folder that is not a checkpoint of ours)."""
+        (your loop's counters) and every rank's random generators. All ranks must call it, and save_dir must be on
+        a filesystem every rank sees. Every rank writes into save_dir/<tag>.saving (default tag global_step<N>);
+        then rank 0 writes checkpoint_complete.json, swaps the folder in as save_dir/<tag>, and only then points
+        save_dir/latest at it, so a crash at any moment leaves the previous complete checkpoint loadable. Then the
+        oldest complete checkpoints go until at most max_num and max_mem GB remain (never the new one or latest's)."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         model = _engine(model)
@@ -522,11 +516,10 @@ class DeepspeedStrategy:
 
     def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                   load_lr_scheduler_states=True, load_module_only=False):  # fmt: skip
-        """Load a checkpoint written by save_ckpt (the one load_dir/latest names when tag is None) into a
-        prepared engine and restore this rank's random generators. Returns (load_path, client_state).
-        load_module_only=True loads the weights alone, at every ZeRO stage and from any number of ranks. A
-        missing, incomplete or truncated checkpoint, or one saved by another number of ranks, raises
-        FileNotFoundError on every rank, naming the folder or file.
+        """Load a checkpoint written by save_ckpt (latest's, or the newest complete one, when tag is None) into a
+        prepared engine, also from a run of another shape where DeepSpeed can (README), and restore this rank's
+        random generators. Returns (load_path, client_state). load_module_only=True loads the weights alone, from
+        any shape. A checkpoint that is missing, incomplete or damaged raises on every rank, naming the file.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
@@ -536,14 +529,11 @@ class DeepspeedStrategy:
             if tag is not None and _read_latest(load_dir) is None:
                 self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {tag}")
         folder, done, problem = self._find_checkpoint(load_dir, tag)
-        problems = [None] * self.world_size
-        dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p is not None), None)
-        if first is not None:  # every rank raises, even one whose own files are fine, so none waits alone
-            raise FileNotFoundError(first)
-        universal = not load_module_only and self._needs_universal(done, os.path.join(load_dir, folder))
+        self._raise_on_every_rank(problem, FileNotFoundError)
+        ckpt_dir, error = os.path.join(load_dir, folder), None
+        universal = not load_module_only and self._needs_universal(done, ckpt_dir)
         if universal:
-            self._to_universal(os.path.join(load_dir, folder))
+            self._to_universal(ckpt_dir)
         # DeepSpeed reads this switch as it loads; setting it in the config would make every load universal.
         model._config.load_universal_checkpoint = universal
         try:
@@ -552,8 +542,11 @@ class DeepspeedStrategy:
                 load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
             )  # fmt: skip
+        except Exception as caught:  # a file that will not load: name it, and let no rank go on alone
+            error = f"checkpoint {ckpt_dir} does not load: {_damaged_file(ckpt_dir) or repr(caught)}"
         finally:
             model._config.load_universal_checkpoint = False
+        self._raise_on_every_rank(error, RuntimeError)
         if load_module_only and _is_zero3(model):
             # A ZeRO 3 checkpoint's module file holds no weights: rebuild them from the optimizer's fp32 shards.
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -575,26 +568,21 @@ class DeepspeedStrategy:
         if {saved[1], here[1]} <= {1, 2} and saved[2] == here[2]:  # ZeRO 1 and 2 shard alike, by flat ranges
             return True
         was, now = (f"{n} ranks at ZeRO {stage} in {'bf16' if bf16 else 'fp32'}" for n, stage, bf16 in (saved, here))
-        raise ValueError(
-            f"checkpoint {ckpt_dir} was saved by {was} and this run has {now}: DeepSpeed "
-            f"{deepspeed.__version__} carries optimizer states to another shape only between ZeRO 1 and 2 (any "
-            "numbers of ranks) and at fp32 ZeRO 0, in the saved dtype. Resume in such a shape, or pass "
-            "load_module_only=True for the weights alone"
-        )
+        raise ValueError(f"checkpoint {ckpt_dir} was saved by {was} and this run has {now}: DeepSpeed "
+                         f"{deepspeed.__version__} carries optimizer states to another shape only between ZeRO 1 and 2 "
+                         "(any numbers of ranks) and at fp32 ZeRO 0, in the saved dtype. Resume in such a shape, or "
+                         "pass load_module_only=True for the weights alone")  # fmt: skip
 
     def _to_universal(self, ckpt_dir) -> None:
         """Convert ckpt_dir once, on rank 0, into ckpt_dir + '.universal' beside it; later loads reuse that."""
         box = [None]
         if self.is_rank_0() and not os.path.isdir(ckpt_dir + UNIVERSAL):
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
             self.print(f"converting {ckpt_dir} to DeepSpeed's universal format, once, for this run's shape")
             staging = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(ckpt_dir))
             try:
-                ds_to_universal(argparse.Namespace(
-                    input_folder=ckpt_dir, output_folder=staging, num_extract_workers=1, num_merge_workers=1,
-                    keep_temp_folder=False, strict=True, inject_missing_state=True,
-                ))  # fmt: skip
+                ds_to_universal(argparse.Namespace(input_folder=ckpt_dir, output_folder=staging, num_extract_workers=1,
+                    num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))  # fmt: skip
                 os.rename(staging, ckpt_dir + UNIVERSAL)
             except Exception as error:
                 box[0] = f"converting {ckpt_dir} to DeepSpeed's universal format failed: {error!r}"
@@ -602,6 +590,13 @@ class DeepspeedStrategy:
         dist.broadcast_object_list(box, src=0)
         if box[0]:
             raise RuntimeError(box[0])
+
+    def _raise_on_every_rank(self, problem, error_type) -> None:
+        """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
+        problems = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise error_type(next(p for p in problems if p))
 
     def _find_checkpoint(self, load_dir, tag):
         """(folder holding tag's complete checkpoint, its record, None), or (None, None, why this rank cannot)."""
@@ -616,11 +611,10 @@ class DeepspeedStrategy:
             except (OSError, ValueError):
                 continue
         else:
-            return None, None, (
-                f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} sees it "
-                f"(no {DONE_FILE}): the run may have stopped while saving it, or this node cannot see the folder "
-                "(checkpoints need a filesystem every node shares); load an earlier tag"
-            )
+            return None, None, (f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as "
+                                f"{socket.gethostname()} sees it (no {DONE_FILE}): the run may have stopped while "
+                                "saving it, or this node cannot see the folder (checkpoints need a filesystem every "
+                                "node shares); load an earlier tag")  # fmt: skip
         ckpt_dir = os.path.join(load_dir, folder)
         done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
         if self.local_rank == 0:  # once per node: every file there, at the size it was written
@@ -657,10 +651,9 @@ class DeepspeedStrategy:
             dist.barrier()
 
     def _full_state_dict(self, model) -> dict:
-        """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module registered
-        under two names, and a tensor behind several keys copied once, so ties survive. At ZeRO 3 the weights are
-        gathered read-only, one submodule at a time, so no rank ever holds the whole model (DeepSpeed's private
-        _zero3_consolidated_16bit_state_dict also broadcasts every weight back to every rank). Buffers are whole."""
+        """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module under two
+        names, and a tensor behind several keys copied once, so ties survive. ZeRO 3 gathers read-only, one
+        submodule at a time (DeepSpeed's private _zero3_consolidated_16bit_state_dict broadcasts them back too)."""
         module = self._unwrap_model(model)
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
         if _is_zero3(model):
@@ -699,10 +692,8 @@ class DeepspeedStrategy:
         zero3 = _is_zero3(model)
         box = [None]
         if state_dict is not None and not set(state_dict) & set(module.state_dict()):
-            box[0] = (
-                f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
-                f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... (see key_replace_fn)"
-            )
+            box[0] = (f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
+                      f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... (key_replace_fn?)")
         if zero3:  # rank 0 alone may know; every rank must raise before the gather below
             dist.broadcast_object_list(box, src=0)
         if box[0]:
@@ -775,12 +766,10 @@ def _actor_inner(model):
     """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
     a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
     inner = getattr(model, "model", None)  # an engine forwards unknown attributes, `.model` too, to its module
-    if isinstance(model, deepspeed.DeepSpeedEngine) or hasattr(model, "save_pretrained"):
+    if not isinstance(inner, torch.nn.Module) or isinstance(model, deepspeed.DeepSpeedEngine):
         return None
-    if not isinstance(inner, torch.nn.Module):
-        return None
-    own = {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
-    return None if own else inner
+    no_weights_of_its_own = set(map(id, model.parameters())) <= set(map(id, inner.parameters()))
+    return inner if no_weights_of_its_own and not hasattr(model, "save_pretrained") else None
 
 
 def _in_actor(model, engine):
@@ -851,6 +840,19 @@ def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
+def _damaged_file(folder: str):
+    """The first .pt file in folder that is not a whole zip archive (torch.save's format), and why; else None."""
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
+        try:
+            with zipfile.ZipFile(os.path.join(folder, name)) as archive:
+                bad = archive.testzip()  # reads every member and checks its CRC; the name of a bad one
+        except (OSError, zipfile.BadZipFile) as error:
+            bad = error
+        if bad is not None:
+            return f"{name} is damaged ({bad})"
+    return None
+
+
 def _complete_checkpoints(save_dir: str) -> list:
     """The complete checkpoints in save_dir, oldest first (by when they were completed)."""
     done = {n: os.path.join(save_dir, n, DONE_FILE) for n in (os.listdir(save_dir) if os.path.isdir(save_dir) else [])}
@@ -874,10 +876,8 @@ def get_strategy(args) -> DeepspeedStrategy:
     place flags are read. A flag missing from args takes its default from the top of this file, except
     --zero_stage, which every run must choose."""
     if getattr(args, "zero_stage", None) is None:
-        raise ValueError(
-            "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "
-            "and run with, for example, --zero_stage 2"
-        )
+        raise ValueError("--zero_stage is required: add parser.add_argument('--zero_stage', type=int, "
+                         "choices=[0, 1, 2, 3]) and run with, for example, --zero_stage 2")  # fmt: skip
     for flag, (off, feature) in LEFT_OUT.items():
         if getattr(args, flag, off) != off:
             raise ValueError(f"--{flag} {getattr(args, flag)!r} asks for {feature}, which get_strategy.py does not "

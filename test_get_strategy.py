@@ -788,6 +788,14 @@ def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_t
         assert "is missing or incomplete" in got["incomplete"]
 
 
+def test_a_truncated_or_damaged_file_is_named_on_every_rank_which_all_stop_at_once(core_run):
+    for got in case(core_run, "damaged"):
+        assert got["truncated"].startswith("FileNotFoundError: checkpoint file "), got["truncated"]
+        assert re.search(r"zero_pp_rank_1_mp_rank_00_optim_states.pt has \d+ bytes, not the \d+ saved", got["truncated"])
+        assert got["damaged"].startswith("RuntimeError: checkpoint "), got["damaged"]
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is damaged" in got["damaged"], got["damaged"]
+
+
 def test_load_ckpt_runs_code_a_checkpoint_carries_which_its_docstring_warns_of(core_run):
     """DeepSpeed unpickles checkpoints (weights_only=False); the docstring and README must say so."""
     for got in case(core_run, "load_errors"):
@@ -1179,6 +1187,30 @@ def test_a_signal_to_one_rank_stops_every_rank_at_a_checkpoint_and_the_same_comm
     assert losses(output, "train") | losses(resumed, "train") == losses(deepspeed_two_ranks, "train")
     first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
     assert (example_dir / "weights_preempted" / "pytorch_model.bin").read_bytes() == first
+
+
+def test_torchrun_restarts_a_run_whose_rank_was_killed_and_it_ends_exactly_like_an_uninterrupted_one(
+    deepspeed_two_ranks, example_dir
+):
+    import signal
+
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, **ONE_THREAD, "PYTHONUNBUFFERED": "1"}
+    command = torchrun("train_example.py", *SHARED, "--ckpt_path", str(example_dir / "ckpt_restarted"))
+    command[3:3] = ["--max_restarts", "1"]  # torchrun's own flag, before the script
+    command += ["--load_checkpoint", "--save_path", str(example_dir / "weights_restarted")]
+    run = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in run.stdout:
+        seen.append(line)
+        if "step     5 | train loss" in line and not any("resumed" in s for s in seen):  # after the checkpoint at 4
+            with open(f"/proc/{run.pid}/task/{run.pid}/children") as f:
+                os.kill(int(f.read().split()[-1]), signal.SIGKILL)
+    run.wait(timeout=300)
+    output = "".join(seen)
+    assert run.returncode == 0, output[-3000:]
+    assert "resumed from" in output and "at step 4" in output, output[-3000:]
+    first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
+    assert (example_dir / "weights_restarted" / "pytorch_model.bin").read_bytes() == first
 
 
 def test_zero3_weights_load_into_plain_torch_and_give_the_reported_held_out_loss(deepspeed_two_ranks, example_dir):
@@ -1708,6 +1740,32 @@ def worker_reshape(results, rank, out_dir, one_rank_dir):
         results["reshape_refused"] = str(error)
 
 
+def worker_damaged(results, rank, out_dir):
+    """One rank's optimizer file truncated, or damaged at its full size (its zip directory zeroed)."""
+    strategy = new_strategy(2)
+    engine, _, _ = prepared(strategy)
+    got = {}
+    for damage in ("truncated", "damaged"):
+        folder = os.path.join(out_dir, damage)
+        strategy.save_ckpt(engine, folder)
+        path = os.path.join(folder, "global_step0", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        if rank == 0:
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                if damage == "truncated":
+                    f.truncate(size // 2)
+                else:
+                    f.seek(size - 64)
+                    f.write(bytes(64))
+        torch.distributed.barrier()
+        try:
+            strategy.load_ckpt(engine, folder)  # a rank that went on alone would hang the launch, failing it
+            got[damage] = "loaded"
+        except Exception as error:
+            got[damage] = f"{type(error).__name__}: {error}"
+    results["damaged"] = got
+
+
 def worker_node_local(results, rank, out_dir):
     """Rank 1 plays the first rank of a second node whose disk is its own: it holds what that node's ranks
     wrote (and, as each node's first rank once wrote them, the markers), not rank 0's files."""
@@ -1756,6 +1814,7 @@ def run_core(out_dir, crash_dir, one_rank_dir):
         (worker_actor, (out_dir,)),
         (worker_moving_average, ()),
         (worker_reshape, (out_dir, one_rank_dir)),
+        (worker_damaged, (out_dir,)),
     ]
     for function, extra in cases:
         try:

@@ -17,8 +17,10 @@ or with torchrun started on every machine:
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
     torchrun --nnodes 2 --node_rank 1 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
 
-Checkpoints and resuming (rerun the same command with --load_checkpoint after an interruption):
+Checkpoints and resuming (rerun the same command with --load_checkpoint after an interruption, also on another
+number of ranks at ZeRO 1 and 2; sent SIGTERM or SIGUSR1, the run saves a checkpoint and exits with 128 + it):
     deepspeed train_example.py --zero_stage 2 --ckpt_path ckpt --save_steps 50 --load_checkpoint --save_path out
+    torchrun --max_restarts 3 --nproc_per_node 2 train_example.py --zero_stage 2 --save_steps 50 --load_checkpoint
 """
 
 import argparse

@@ -1036,6 +1036,17 @@ def test_a_save_path_that_is_a_file_stops_the_example_before_training(tmp_path, 
     assert f"--save_path {tmp_path / 'taken'} is a file, not a folder" in capsys.readouterr().err
 
 
+def test_a_ckpt_path_that_is_one_checkpoint_is_refused_naming_the_folder_to_pass(tmp_path, capsys):
+    from train_example import parse_args
+
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "global_step4" / "checkpoint_complete.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(["--ckpt_path", str(tmp_path / "global_step4"), "--load_checkpoint"])
+    expected = f"--ckpt_path {tmp_path / 'global_step4'} is one checkpoint, not the folder of checkpoints: pass {tmp_path}"
+    assert expected in capsys.readouterr().err
+
+
 def test_example_help_lists_every_default_and_answers_without_importing_torch():
     started = time.perf_counter()
     done = subprocess.run(
@@ -1142,6 +1153,8 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
     stopped = run_example(torchrun("train_example.py", *SHARED, "--ckpt_path", ckpt, "--stop_at_step", "4"))
     assert "stopped at step 4 of 8" in stopped
     assert sorted(losses(stopped, "train")) == [1, 2, 3, 4]
+    assert re.search(rf"checkpoint {re.escape(ckpt)}/global_step4: [\d.]+ MB in [\d.]+ s", stopped)  # a line a save
+    os.remove(os.path.join(ckpt, "latest"))  # lost, with complete checkpoints beside it: never a fresh start
     resumed = run_example(
         torchrun(
             "train_example.py",
@@ -1153,6 +1166,7 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
             str(example_dir / "weights_resumed"),
         )
     )
+    assert f"{ckpt} has no 'latest' file: resuming from its newest complete checkpoint, global_step4" in resumed
     assert "at step 4" in resumed
     uninterrupted = losses(deepspeed_two_ranks, "train")
     assert losses(stopped, "train") | losses(resumed, "train") == uninterrupted

@@ -525,8 +525,8 @@ class DeepspeedStrategy:
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         model = _engine(model)
         if tag is None:  # 'latest' names the checkpoint; if it was lost, the newest complete one stands in
-            tag = _read_latest(load_dir) or next(reversed(_complete_checkpoints(load_dir)), None)
-            if tag is not None and _read_latest(load_dir) is None:
+            tag = _read_latest(load_dir)
+            if tag is None and (tag := next(reversed(_complete_checkpoints(load_dir)), None)) is not None:
                 self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {tag}")
         folder, done, problem = self._find_checkpoint(load_dir, tag)
         self._raise_on_every_rank(problem, FileNotFoundError)

@@ -168,10 +168,11 @@ def check_args(args, parser):
     if args.n_embd % args.n_head:
         divisors = [n for n in range(1, args.n_embd + 1) if args.n_embd % n == 0]
         nearest = sorted(divisors, key=lambda n: abs(n - args.n_head))[:2]
-        return f"--n_head {args.n_head} must divide --n_embd {args.n_embd} (try --n_head {' or '.join(map(str, sorted(nearest)))})"
+        options = " or ".join(map(str, sorted(nearest)))
+        return f"--n_head {args.n_head} must divide --n_embd {args.n_embd} (try --n_head {options})"
     if args.save_steps != -1 and args.save_steps < 1:
         return f"--save_steps {args.save_steps} must be -1 (never) or at least 1"
-    if os.path.isfile(os.path.join(args.ckpt_path, "checkpoint_complete.json")):
+    if os.path.isfile(os.path.join(args.ckpt_path, "checkpoint_complete.json")):  # DONE_FILE; torch not yet imported
         parent = os.path.dirname(os.path.abspath(args.ckpt_path))
         return f"--ckpt_path {args.ckpt_path} is one checkpoint, not the folder of checkpoints: pass {parent}"
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
@@ -183,13 +184,15 @@ def check_args(args, parser):
     # The data, from the files' sizes alone: the smallest flag change that makes it fit is named.
     available = sum(os.path.getsize(path) for path in corpus_files())
     if args.data_bytes > available:
-        return f"--data_bytes {args.data_bytes} is more than the {available} bytes of standard-library source here (try {available})"
+        here = f"the {available} bytes of standard-library source here"
+        return f"--data_bytes {args.data_bytes} is more than {here} (try {available})"
     train_bytes, val_bytes = split_sizes(args.data_bytes, args.val_fraction)
     sequences = (train_bytes - 1) // args.block_size
     if sequences < args.train_batch_size:
         need = math.ceil((args.train_batch_size * args.block_size + 1) / (1 - args.val_fraction)) + 1
         longest = (train_bytes - 1) // args.train_batch_size
-        blocks = f"--block_size {args.block_size} cuts the {train_bytes} training bytes of --data_bytes {args.data_bytes}"
+        blocks = f"--block_size {args.block_size} cuts the {train_bytes} training bytes"
+        blocks += f" of --data_bytes {args.data_bytes}"
         fixes = [f"--data_bytes {need}" if need <= available else None, f"--block_size {longest}" if longest else None]
         culprit = "--block_size" if args.block_size != parser.get_default("block_size") else "--data_bytes"
         return (
@@ -254,7 +257,7 @@ import torch.nn.functional as F  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from get_strategy import get_strategy  # noqa: E402
+from get_strategy import DONE_FILE, get_strategy  # noqa: E402
 
 # -------------------------------------------------------------------------------------------------------------
 # Data: the standard library's own source, as bytes
@@ -442,7 +445,7 @@ def main(args):
     start_step = 0
     # Start afresh only where nothing was ever completed: anything else resumes, or stops with the reason.
     started_before = os.path.isdir(args.ckpt_path) and any(
-        name == "latest" or os.path.isfile(os.path.join(args.ckpt_path, name, "checkpoint_complete.json"))
+        name == "latest" or os.path.isfile(os.path.join(args.ckpt_path, name, DONE_FILE))
         for name in os.listdir(args.ckpt_path)
     )
     if args.load_checkpoint and started_before:

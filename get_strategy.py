@@ -536,12 +536,14 @@ class DeepspeedStrategy:
             self._to_universal(ckpt_dir)
         # DeepSpeed reads this switch as it loads; setting it in the config would make every load universal.
         model._config.load_universal_checkpoint = universal
+        rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
         try:
             load_path, client_state = model.load_checkpoint(
                 load_dir, folder + UNIVERSAL if universal else folder, load_module_strict=load_module_strict,
                 load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
             )  # fmt: skip
+            rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # a file that will not load: name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load: {_damaged_file(ckpt_dir) or repr(caught)}"
         finally:
@@ -550,12 +552,10 @@ class DeepspeedStrategy:
         if load_module_only and _is_zero3(model):
             # A ZeRO 3 checkpoint's module file holds no weights: rebuild them from the optimizer's fp32 shards.
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
             full = get_fp32_state_dict_from_zero_checkpoint(load_dir, folder) if self.is_rank_0() else None
-            self._load_state_dict(model, full, load_module_strict, source=os.path.join(load_dir, folder))
-        rng_file = os.path.join(load_dir, folder, RNG_FILE.format(rank=self.get_rank()))
-        if os.path.isfile(rng_file):
-            _set_rng_states(torch.load(rng_file, weights_only=True))
+            self._load_state_dict(model, full, load_module_strict, source=ckpt_dir)
+        if rng_states is not None:
+            _set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
             self.set_seed(self.seed + 1000 * model.global_steps + self.get_rank())
         return load_path, client_state
@@ -765,11 +765,12 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 def _actor_inner(model):
     """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
     a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
-    inner = getattr(model, "model", None)  # an engine forwards unknown attributes, `.model` too, to its module
-    if not isinstance(inner, torch.nn.Module) or isinstance(model, deepspeed.DeepSpeedEngine):
+    if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
         return None
-    no_weights_of_its_own = set(map(id, model.parameters())) <= set(map(id, inner.parameters()))
-    return inner if no_weights_of_its_own and not hasattr(model, "save_pretrained") else None
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
+        return None
+    return inner if set(map(id, model.parameters())) <= set(map(id, inner.parameters())) else None  # none of its own
 
 
 def _in_actor(model, engine):

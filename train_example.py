@@ -464,9 +464,10 @@ def main(args):
             max_mem=args.max_ckpt_mem,
             client_state={"consumed_samples": step * args.train_batch_size},
         )
-        folder = os.path.join(args.ckpt_path, f"global_step{step}")
-        size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
-        log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f} s")
+        if strategy.is_rank_0():  # one rank sizes the folder on the shared filesystem
+            folder = os.path.join(args.ckpt_path, f"global_step{step}")
+            size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+            log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f} s")
 
     def log(message):
         if strategy.is_rank_0():

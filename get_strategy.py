@@ -25,10 +25,10 @@ Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size
 accumulated_gradient, the samples of one optimizer step over all ranks and accumulation steps.
 """
 
-import argparse
 import gc
 import itertools
 import json
+import math
 import os
 import pickle
 import random
@@ -43,6 +43,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.utils.data import DataLoader
 
 try:  # seeded and checkpointed when present; DeepSpeed itself requires NumPy, so vendoring adds nothing
@@ -84,7 +85,6 @@ RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which Dee
 DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
 STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
 REPLACED = ".replaced"  # an older <tag> while the new one takes its name
-UNIVERSAL = ".universal"  # <tag> in DeepSpeed's universal format, made once when a run resumes in another shape
 
 
 class DeepspeedStrategy:
@@ -333,9 +333,14 @@ class DeepspeedStrategy:
         if optimizer is None:
             raise ValueError("prepare((model, optimizer, scheduler)) trains and needs an optimizer "
                              "(strategy.create_optimizer); pass the bare model for an eval engine")  # fmt: skip
+        # The optimizer's groups by parameter name, before DeepSpeed regroups them: save_ckpt records them, since
+        # a ZeRO 0 checkpoint keys Adam's state by position alone.
+        names = {id(p): name for name, p in _engine(model).named_parameters()}
+        group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=_engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
         )
+        engine.param_group_names = group_names
         return _in_actor(model, engine), optimizer, scheduler
 
     def _init_eval_engine(self, model):
@@ -465,38 +470,56 @@ class DeepspeedStrategy:
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators. All ranks must call it, and save_dir must be on
-        a filesystem every rank sees. Every rank writes into save_dir/<tag>.saving (default tag global_step<N>);
-        then rank 0 writes checkpoint_complete.json, swaps the folder in as save_dir/<tag>, and only then points
-        save_dir/latest at it, so a crash at any moment leaves the previous complete checkpoint loadable. Then the
-        oldest complete checkpoints go until at most max_num and max_mem GB remain (never the new one or latest's)."""
+        a filesystem every rank sees. Every rank writes into save_dir/<tag>.saving (default tag global_step<N>) and
+        makes its files durable (fsync); then rank 0 writes checkpoint_complete.json, swaps the folder in as
+        save_dir/<tag>, and only then points save_dir/latest at it, so a crash or a power cut at any moment leaves
+        the previous complete checkpoint loadable. Then the oldest complete checkpoints go until at most max_num
+        and max_mem GB remain (never the new one or latest's)."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
-        model = _engine(model)
-        tag = str(tag) if tag is not None else f"global_step{model.global_steps}"
-        staging = tag + STAGING
+        engine = _engine(model)
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        staging = os.path.join(save_dir, tag + STAGING)
         if self.is_rank_0():
-            shutil.rmtree(os.path.join(save_dir, staging), ignore_errors=True)  # left by a save that crashed
-            os.makedirs(os.path.join(save_dir, staging))
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+            os.makedirs(staging)
         dist.barrier()
-        torch.save(_get_rng_states(), os.path.join(save_dir, staging, RNG_FILE.format(rank=self.get_rank())))
-        model.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
-        dist.barrier()  # every rank's files are on disk
+        rank = self.get_rank()
+        torch.save(_get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
+        engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state or {}, save_latest=False)
+        for name in os.listdir(staging):  # on disk, not only in the page cache, before rank 0 commits
+            if _written_by(name, rank):
+                _fsync(os.path.join(staging, name))
+        _fsync(staging)
+        dist.barrier()  # every rank's files are durable
         if self.is_rank_0():  # one writer for every shared file
-            self._commit_checkpoint(save_dir, tag, save_latest)
+            self._commit_checkpoint(engine, save_dir, tag, save_latest)
             self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
         dist.barrier()
 
-    def _commit_checkpoint(self, save_dir, tag, save_latest):
-        folder = os.path.join(save_dir, tag)
-        files = {os.path.relpath(os.path.join(root, name), folder + STAGING): os.path.getsize(os.path.join(root, name))
-                 for root, _, names in os.walk(folder + STAGING) for name in names}  # fmt: skip
-        done = {"world_size": self.world_size, "zero_stage": self.stage, "bf16": self.bf16, "files": files}
-        _write_atomically(os.path.join(folder + STAGING, DONE_FILE), json.dumps(done, indent=1))
-        shutil.rmtree(folder + UNIVERSAL, ignore_errors=True)  # a conversion of what this tag held before
+    def _commit_checkpoint(self, engine, save_dir, tag, save_latest):
+        folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
+        files = {}
+        for root, _, names in os.walk(staging):
+            for name in names:
+                path = os.path.join(root, name)
+                files[os.path.relpath(path, staging)] = os.path.getsize(path)
+        # What the run looked like, for load_ckpt: its shape, and the model's tensors and optimizer groups by name.
+        done = {
+            "world_size": self.world_size,
+            "zero_stage": self.stage,
+            "bf16": self.bf16,
+            "adam_offload": self.adam_offload,
+            "tensors": _tensor_shapes(engine.module),
+            "groups": getattr(engine, "param_group_names", None),
+            "files": files,
+        }
+        _write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
         if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
             shutil.rmtree(folder + REPLACED, ignore_errors=True)
             os.rename(folder, folder + REPLACED)
-        os.rename(folder + STAGING, folder)
+        os.rename(staging, folder)
+        _fsync(save_dir)  # the rename itself survives a power cut
         if save_latest:
             _write_atomically(os.path.join(save_dir, "latest"), tag)
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
@@ -511,97 +534,94 @@ class DeepspeedStrategy:
                 break
             if name not in protected:
                 shutil.rmtree(os.path.join(save_dir, name))
-                shutil.rmtree(os.path.join(save_dir, name + UNIVERSAL), ignore_errors=True)
                 count, total = count - 1, total - sizes[name]
 
     def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                   load_lr_scheduler_states=True, load_module_only=False):  # fmt: skip
-        """Load a checkpoint written by save_ckpt (latest's, or the newest complete one, when tag is None) into a
-        prepared engine, also from a run of another shape where DeepSpeed can (README), and restore this rank's
-        random generators. Returns (load_path, client_state). load_module_only=True loads the weights alone, from
-        any shape. A checkpoint that is missing, incomplete or damaged raises on every rank, naming the file.
+        """Load a checkpoint written by save_ckpt into a prepared engine and restore this rank's random generators;
+        returns (load_path, client_state). Any run shape resumes: another number of ranks, ZeRO stage, dtype or
+        adam_offload (README, "Checkpoints and resuming"). Every file is checked first (sizes and CRCs, the work
+        spread over the ranks); with tag None, a checkpoint that fails is named and the newest one that passes is
+        used; a named tag that fails, or a checkpoint of another model, raises on every rank before anything loads.
+        load_module_only=True loads the weights alone.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
-        model = _engine(model)
-        if tag is None:  # 'latest' names the checkpoint; if it was lost, the newest complete one stands in
-            tag = _read_latest(load_dir)
-            if tag is None and (tag := next(reversed(_complete_checkpoints(load_dir)), None)) is not None:
-                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {tag}")
-        folder, done, problem = self._find_checkpoint(load_dir, tag)
-        self._raise_on_every_rank(problem, FileNotFoundError)
-        ckpt_dir, error = os.path.join(load_dir, folder), None
-        universal = not load_module_only and self._needs_universal(done, ckpt_dir)
-        if universal:
-            self._to_universal(ckpt_dir)
-        # DeepSpeed reads this switch as it loads; setting it in the config would make every load universal.
-        model._config.load_universal_checkpoint = universal
+        engine = _engine(model)
+        folder, done = self._choose_checkpoint(load_dir, tag)
+        ckpt_dir = os.path.join(load_dir, folder)
+        if load_module_strict:
+            self._raise_on_every_rank(_model_mismatch(done, engine.module, ckpt_dir), ValueError)
+        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done.get("adam_offload", self.adam_offload))
+        native = saved_shape == (self.world_size, self.stage, self.bf16, self.adam_offload) and not load_module_only
+        if not native and done.get("groups") is None:
+            self._raise_on_every_rank(f"checkpoint {ckpt_dir} was saved by an older get_strategy.py, which did not "
+                                      "record its tensors: resume it in the shape that saved it", ValueError)  # fmt: skip
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
+        error = None
         try:
-            load_path, client_state = model.load_checkpoint(
-                load_dir, folder + UNIVERSAL if universal else folder, load_module_strict=load_module_strict,
-                load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-            )  # fmt: skip
+            if native:  # DeepSpeed's own load, bit-exact
+                load_path, client_state = engine.load_checkpoint(
+                    load_dir, folder, load_module_strict=load_module_strict,
+                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                )  # fmt: skip
+            else:
+                optimizer_states = load_optimizer_states and not load_module_only
+                load_path, client_state = _load_in_new_shape(engine, ckpt_dir, done, optimizer_states)
+                if not load_module_only:
+                    _load_engine_state(engine, client_state, load_lr_scheduler_states)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
-        except Exception as caught:  # a file that will not load: name it, and let no rank go on alone
-            error = f"checkpoint {ckpt_dir} does not load: {_damaged_file(ckpt_dir) or repr(caught)}"
-        finally:
-            model._config.load_universal_checkpoint = False
+        except Exception as caught:  # name it, and let no rank go on alone
+            error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
         self._raise_on_every_rank(error, RuntimeError)
-        if load_module_only and _is_zero3(model):
-            # A ZeRO 3 checkpoint's module file holds no weights: rebuild them from the optimizer's fp32 shards.
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, folder) if self.is_rank_0() else None
-            self._load_state_dict(model, full, load_module_strict, source=ckpt_dir)
+        if not native and self.stage in (1, 2):
+            engine.optimizer.update_lp_params()  # collective: each rank's new fp32 shard into everyone's weights
         if rng_states is not None:
             _set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
-            self.set_seed(self.seed + 1000 * model.global_steps + self.get_rank())
+            self.set_seed(self.seed + 1000 * engine.global_steps + self.get_rank())
         return load_path, client_state
 
-    def _needs_universal(self, done, ckpt_dir) -> bool:
-        """Whether a checkpoint of another shape loads through DeepSpeed's universal format; ValueError if none can."""
-        saved, here = (done["world_size"], done["zero_stage"], done["bf16"]), (self.world_size, self.stage, self.bf16)
-        if saved == here or (saved[1:] == here[1:] == (0, False)):  # fp32 stage 0 holds the optimizer whole
-            return False
-        if {saved[1], here[1]} <= {1, 2} and saved[2] == here[2]:  # ZeRO 1 and 2 shard alike, by flat ranges
-            return True
-        was, now = (f"{n} ranks at ZeRO {stage} in {'bf16' if bf16 else 'fp32'}" for n, stage, bf16 in (saved, here))
-        raise ValueError(f"checkpoint {ckpt_dir} was saved by {was} and this run has {now}: DeepSpeed "
-                         f"{deepspeed.__version__} carries optimizer states to another shape only between ZeRO 1 and 2 "
-                         "(any numbers of ranks) and at fp32 ZeRO 0, in the saved dtype. Resume in such a shape, or "
-                         "pass load_module_only=True for the weights alone")  # fmt: skip
+    def _choose_checkpoint(self, load_dir, tag):
+        """(folder, record) of the checkpoint to load, every file checked. With tag None: latest's, else the newest
+        that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
+        candidates = [tag]
+        if tag is None:  # 'latest' names the checkpoint; if it was lost or fails, the next newest stands in
+            newest_first = list(reversed(_complete_checkpoints(load_dir)))
+            latest = _read_latest(load_dir)
+            if latest is None and newest_first:
+                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, "
+                           f"{newest_first[0]}")  # fmt: skip
+            candidates = [latest] * (latest is not None) + [name for name in newest_first if name != latest]
+        first_problem = None
+        for name in candidates:
+            folder, done, problem = self._find_checkpoint(load_dir, name)
+            problem = self._first_problem(problem)
+            if problem is None:
+                problem = self._first_problem(_damaged_record(load_dir, folder, done, self.get_rank(), self.world_size))
+            if problem is None:
+                if first_problem is not None:
+                    self.print(f"{first_problem[1]}: resuming from {name} instead, the newest checkpoint that passes")
+                return folder, done
+            first_problem = first_problem or problem
+        if first_problem is None:
+            first_problem = (FileNotFoundError, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint")
+        raise first_problem[0](first_problem[1])
 
-    def _to_universal(self, ckpt_dir) -> None:
-        """Convert ckpt_dir once, on rank 0, into ckpt_dir + '.universal' beside it; later loads reuse that."""
-        box = [None]
-        if self.is_rank_0() and not os.path.isdir(ckpt_dir + UNIVERSAL):
-            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-            self.print(f"converting {ckpt_dir} to DeepSpeed's universal format, once, for this run's shape")
-            staging = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(ckpt_dir))
-            try:
-                ds_to_universal(argparse.Namespace(input_folder=ckpt_dir, output_folder=staging, num_extract_workers=1,
-                    num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))  # fmt: skip
-                os.rename(staging, ckpt_dir + UNIVERSAL)
-            except Exception as error:
-                box[0] = f"converting {ckpt_dir} to DeepSpeed's universal format failed: {error!r}"
-                shutil.rmtree(staging, ignore_errors=True)
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise RuntimeError(box[0])
+    def _first_problem(self, problem):
+        """The first rank's problem, as every rank sees it: (error type, message), or None when no rank has one."""
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p), None)
 
     def _raise_on_every_rank(self, problem, error_type) -> None:
         """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
-        problems = [None] * self.world_size
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            raise error_type(next(p for p in problems if p))
+        found = self._first_problem(problem)
+        if found:
+            raise error_type(found)
 
     def _find_checkpoint(self, load_dir, tag):
-        """(folder holding tag's complete checkpoint, its record, None), or (None, None, why this rank cannot)."""
-        if tag is None:
-            return None, None, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint"
+        """(folder holding tag's complete checkpoint, its record, None), or (None, None, (error type, why not))."""
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
         for folder in (tag, tag + STAGING, tag + REPLACED):
             try:
@@ -611,10 +631,10 @@ class DeepspeedStrategy:
             except (OSError, ValueError):
                 continue
         else:
-            return None, None, (f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as "
-                                f"{socket.gethostname()} sees it (no {DONE_FILE}): the run may have stopped while "
-                                "saving it, or this node cannot see the folder (checkpoints need a filesystem every "
-                                "node shares); load an earlier tag")  # fmt: skip
+            return None, None, (FileNotFoundError, f"checkpoint {os.path.join(load_dir, tag)} is missing or "
+                                f"incomplete as {socket.gethostname()} sees it (no {DONE_FILE}): the run may have "
+                                "stopped while saving it, or this node cannot see the folder (checkpoints need a "
+                                "filesystem every node shares); load an earlier tag")  # fmt: skip
         ckpt_dir = os.path.join(load_dir, folder)
         done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
         if self.local_rank == 0:  # once per node: every file there, at the size it was written
@@ -623,7 +643,8 @@ class DeepspeedStrategy:
                 found = os.path.getsize(path) if os.path.isfile(path) else None
                 if found != size:
                     state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                    return None, None, f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag"
+                    why = f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag"
+                    return None, None, (FileNotFoundError, why)
         return folder, done, None
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
@@ -674,10 +695,25 @@ class DeepspeedStrategy:
 
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
         """Load a state dict file into model (a module or an engine, which then trains on from it), reading tensors
-        only (weights_only=True): a file carrying other objects is refused and its code never runs. A file none of
-        whose keys the model has is refused even with strict=False; else rank 0 reports missing and extra keys."""
-        try:
-            state_dict = torch.load(path, map_location=map_location, weights_only=True)
+        only (weights_only=True): a file carrying other objects is refused and its code never runs. The file's CRCs
+        are checked first, the work spread over the ranks. A file none of whose keys the model has is refused even
+        with strict=False; else rank 0 reports missing and extra keys. At ZeRO 3 each rank reads only its shards."""
+        # Below ZeRO 3 this rank reads the whole file and checks it alone; at ZeRO 3, where every rank must call
+        # this and reads only its shards, the ranks share the check.
+        zero3 = _is_zero3(model)
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
+        folder, name = os.path.split(os.path.abspath(path))
+        problem = None
+        if zipfile.is_zipfile(path):  # torch.save's format; other formats carry no CRCs to check
+            with zipfile.ZipFile(path) as archive:
+                records = [(name, info) for info in archive.infolist()]
+            problem = _damaged_among(folder, records[rank::world_size])
+        if zero3:
+            problem = self._first_problem(problem)
+        if problem:
+            raise ValueError(f"refusing to load {path}: {problem}")
+        try:  # memory-mapped where the format allows: a tensor is read only where it is used
+            state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipfile.is_zipfile(path))
         except pickle.UnpicklingError as error:
             raise ValueError(f"refusing to load {path}: it holds Python objects besides tensors, and unpickling "
                              f"them could run code; load a state dict (save_model writes one).\n{error}") from None
@@ -687,25 +723,32 @@ class DeepspeedStrategy:
 
     def _load_state_dict(self, model, state_dict, strict, source) -> None:
         """Load state_dict into model and into a training engine's fp32 master copy, which the next step would
-        otherwise write back. At ZeRO 3 rank 0's state_dict (others may pass None) reaches every rank's shard."""
+        otherwise write back. At ZeRO 3 each rank writes only its own partition of each tensor."""
         module = self._unwrap_model(model)
-        zero3 = _is_zero3(model)
-        box = [None]
-        if state_dict is not None and not set(state_dict) & set(module.state_dict()):
-            box[0] = (f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
-                      f"{sorted(state_dict)[:3]}..., the model {sorted(module.state_dict())[:3]}... (key_replace_fn?)")
-        if zero3:  # rank 0 alone may know; every rank must raise before the gather below
-            dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise ValueError(box[0])
-        # ZeRO 3: gather each full parameter, load into it on rank 0, and let its values go back to every shard.
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0, enabled=zero3):
-            if state_dict is not None:
-                result = module.load_state_dict(state_dict, strict=strict)
-                missing, unexpected = result.missing_keys, result.unexpected_keys
-                if missing or unexpected:
-                    self.print(f"loaded {source} with {len(missing)} missing keys {missing[:5]} and "
-                               f"{len(unexpected)} unexpected keys {unexpected[:5]}")  # fmt: skip
+        expected = list(module.state_dict())  # at ZeRO 3 too: partitioned parameters appear with empty shards
+        if not set(state_dict) & set(expected):
+            raise ValueError(f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
+                             f"{sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)")
+        if _is_zero3(model):
+            tensors = dict(module.named_parameters(remove_duplicate=False))
+            tensors.update(module.named_buffers(remove_duplicate=False))
+            missing = [key for key in expected if key not in state_dict]
+            unexpected = [key for key in state_dict if key not in tensors]
+            for key in (key for key in state_dict if key in tensors):
+                shape = tuple(getattr(tensors[key], "ds_shape", tensors[key].shape))
+                if tuple(state_dict[key].shape) != shape:
+                    raise RuntimeError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, the model {shape}")
+            if strict and (missing or unexpected):
+                raise RuntimeError(f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+            for key in (key for key in state_dict if key in tensors):
+                value = state_dict[key].reshape(-1)
+                _write_tensor(tensors[key], lambda start, length, value=value: value[start : start + length])
+        else:
+            result = module.load_state_dict(state_dict, strict=strict)
+            missing, unexpected = result.missing_keys, result.unexpected_keys
+        if missing or unexpected:
+            self.print(f"loaded {source} with {len(missing)} missing keys {missing[:5]} and "
+                       f"{len(unexpected)} unexpected keys {unexpected[:5]}")  # fmt: skip
         optimizer = getattr(_engine(model), "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
@@ -793,6 +836,268 @@ def _is_zero3(model) -> bool:
 
 
 # -------------------------------------------------------------------------------------------------------------
+# Resuming in another shape. DeepSpeed's own load needs the run shape that saved the checkpoint. For any other,
+# load_ckpt reads the saved files directly, at load time, rather than saving a second shape-free copy of every
+# checkpoint: saving stays as fast and as large as DeepSpeed's. Each saved file is memory-mapped, so a rank reads
+# only the slices of each tensor it will hold, never the whole model; a full tensor exists only where the new run
+# keeps one whole (ZeRO 0 below 3, and ZeRO 3's small resident parameters).
+#
+# Both sides speak of "pieces": the flattened tensor `name` from element `start` on, as 1-D tensors per key
+# ("value": the fp32 master weight, or a frozen tensor; "exp_avg" and "exp_avg_sq": Adam's moments).
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@torch.no_grad()
+def _load_in_new_shape(engine, ckpt_dir, done, optimizer_states):
+    """Write a checkpoint of another run shape into engine: fp32 master weights and, with optimizer_states, Adam's
+    moments, step and each group's hyperparameters; frozen parameters and buffers; this rank's 16-bit weights
+    except at ZeRO 1 and 2, where update_lp_params() must follow on every rank. Returns (path, saved states)."""
+    pieces, groups, step, model_states = _saved_pieces(ckpt_dir, done)
+
+    def reader(name, key):
+        def read(start, length):  # elements [start, start + length) of the flattened tensor, from the pieces
+            parts = []
+            for piece_start, tensors in pieces[name]:
+                source = tensors[key] if key in tensors else torch.zeros(tensors["value"].numel())
+                low, high = max(start, piece_start), min(start + length, piece_start + source.numel())
+                if low < high:
+                    parts.append(source[low - piece_start : high - piece_start])
+            return torch.cat(parts) if parts else torch.zeros(0)
+
+        return read
+
+    optimizer = engine.optimizer
+    base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer
+    for name, start, length, master, offset in _owned_slices(engine):
+        keys = ("value", *MOMENTS) if optimizer_states else ("value",)
+        if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
+            base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
+        for key in keys:
+            destination = master if key == "value" else base.state[master][key]
+            destination.view(-1).narrow(0, offset, length).copy_(reader(name, key)(start, length))
+        if optimizer_states:
+            # torch's optimizers count steps in a 0-d float tensor, DeepSpeedCPUAdam and FusedAdam in an int.
+            own = type(base).__module__.startswith("torch.")
+            base.state[master]["step"] = torch.tensor(float(step)) if own else step
+    if optimizer_states:
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            for key in set(group) & set(saved) - {"params", "foreach", "fused", "capturable", "differentiable"}:
+                group[key] = saved[key]  # hyperparameters (lr, betas, weight decay...), not how steps are computed
+    module, trainable = engine.module, {name for names in done["groups"] for name in names}
+    tensors = dict(module.named_parameters())
+    tensors.update((name, buffer) for name, buffer in module.named_buffers() if name in done["tensors"])
+    for name, tensor in tensors.items():
+        if name not in trainable or engine.zero_optimization_stage() in (0, 3):
+            _write_tensor(tensor, reader(name, "value"))  # ZeRO 1 and 2 gather their weights in update_lp_params
+    return os.path.join(ckpt_dir, _model_states_file(done["zero_stage"])), model_states
+
+
+def _load_engine_state(engine, states, load_lr_scheduler_states):
+    """What DeepSpeed's own load restores besides the model and optimizer: the scheduler and the counters. Leaves
+    in states only client_state: what save_ckpt's caller passed, and DeepSpeed's other records, as its load does."""
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    engine.global_steps = states["global_steps"]
+    engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = states["skipped_steps"]
+    for key in ("module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size",
+                "mp_world_size", "data_sampler", "random_ltd"):  # fmt: skip
+        states.pop(key, None)
+
+
+def _model_states_file(stage):
+    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def _saved_pieces(ckpt_dir, done):
+    """Where every tensor of a saved checkpoint lies: ({name: [(start, {key: 1-D tensor})]}, the optimizer's saved
+    param groups, Adam's step, the model-states dict). DeepSpeed's layouts, by the stage that saved:
+    - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
+      (the indices follow the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies per group.
+    - 1 and 2: each rank's optimizer file holds one flat fp32 range per group, with Adam's moments alike, and
+      param_slice_mappings: where in that range each parameter's fragment sits. A parameter's fragments in rank
+      order make it whole.
+    - 3: each rank's optimizer file holds one flat fp32 partition per sub-group: in order, each parameter's
+      rank-th slice of ceil(numel / world_size) elements, zero-padded at the end; frozen parameters likewise in
+      each rank's model file."""
+    stage, world = done["zero_stage"], done["world_size"]
+
+    def load(name):  # mmap: tensors are read from disk only where they are sliced
+        return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
+
+    def optimizer_file(rank):  # bf16 runs prefix the name with bf16_
+        return next(n for n in done["files"] if n.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+
+    model_states = load(_model_states_file(stage))
+    module = model_states["module"]
+    trainable = {name for names in done["groups"] for name in names}
+    pieces, steps = {name: [] for name in done["tensors"]}, []
+    seen = dict.fromkeys(done["tensors"], 0)  # ZeRO 1 and 2: elements of each parameter in earlier ranks' fragments
+    for name in done["tensors"]:
+        if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):
+            pieces[name].append((0, {"value": module[name].reshape(-1)}))
+    if stage == 0:
+        optimizer = model_states["optimizer"]
+        torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps torch's with fp32 copies
+        groups = torch_state["param_groups"]
+        for g, (group, names) in enumerate(zip(groups, done["groups"], strict=True)):
+            for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
+                value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
+                state = torch_state["state"].get(index, {})  # none for a parameter that never had a gradient
+                steps.append(state.get("step", 0))
+                moments = {key: state[key].reshape(-1) for key in MOMENTS if key in state}
+                pieces[name].append((0, {"value": value.reshape(-1), **moments}))
+    for rank in range(world if stage > 0 else 0):
+        saved = load(optimizer_file(rank))["optimizer_state_dict"]
+        if stage < 3:
+            torch_state = saved["base_optimizer_state"]
+            flats, layouts = saved["single_partition_of_fp32_groups"], []
+            for mapping in saved["param_slice_mappings"]:
+                layouts.append([(name, address.start, address.numel) for name, address in mapping.items()])
+        else:
+            torch_state = saved["optimizer_state_dict"]
+            flats, layouts = saved["fp32_flat_groups"], []
+            for shapes in model_states["param_shapes"]:  # one ordered {name: shape} per sub-group
+                layouts.append([])
+                offset = 0
+                for name, shape in shapes.items():
+                    size = -(-math.prod(shape) // world)  # the ceiling: every rank's slice has this size
+                    layouts[-1].append((name, offset, max(0, min(size, math.prod(shape) - rank * size))))
+                    offset += size
+            frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
+            for name, fragment in frozen.items():
+                size = fragment.numel()
+                length = max(0, min(size, math.prod(done["tensors"][name]) - rank * size))
+                pieces[name].append((rank * size, {"value": fragment.reshape(-1)[:length]}))
+        groups = torch_state["param_groups"]
+        for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
+            state = torch_state["state"].get(g, {})
+            steps.append(state.get("step", 0))
+            for name, offset, length in layout:
+                if stage < 3:
+                    start, seen[name] = seen[name], seen[name] + length
+                else:
+                    start = rank * -(-math.prod(done["tensors"][name]) // world)
+                tensors = {"value": flat.narrow(0, offset, length)}
+                tensors.update((key, state[key].narrow(0, offset, length)) for key in MOMENTS if key in state)
+                pieces[name].append((start, tensors))
+    return pieces, groups, int(max(steps, default=0)), model_states
+
+
+def _owned_slices(engine):
+    """Each slice of a trainable parameter's flattened fp32 master weight that this rank's optimizer steps, as
+    (name, start, length, master, offset): elements [start, start + length) of parameter `name` are elements
+    [offset, offset + length) of the flattened tensor `master`, which also keys the optimizer's state."""
+    optimizer, rank = engine.optimizer, dist.get_rank()
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    stage = engine.zero_optimization_stage()
+    if stage in (1, 2):  # each rank steps one flat range per group; a parameter's _hp_mapping says which part
+        for master, params in zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True):
+            for p in params:
+                if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
+                    lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
+                    yield names[id(p)], lp.start, lp.numel, master, hp.start
+    elif stage == 3:  # one flat partition per sub-group: each parameter's rank-th slice, in order
+        for master, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups, strict=True):
+            offset = 0
+            for p in params:
+                size = p.partition_numel()
+                yield names[id(p)], rank * size, max(0, min(size, p.ds_numel - rank * size)), master, offset
+                offset += size
+    else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
+        copies = getattr(optimizer, "fp32_groups", [g["params"] for g in optimizer.param_groups])
+        lows = getattr(optimizer, "fp16_groups", copies)
+        for params, masters in zip(lows, copies, strict=True):
+            for p, master in zip(params, masters, strict=True):
+                yield names[id(p)], 0, p.numel(), master, 0
+
+
+def _write_tensor(tensor, read):
+    """Write the flattened values read(start, length) gives into a module's parameter or buffer: at ZeRO 3 this
+    rank's partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
+    if hasattr(tensor, "ds_tensor"):  # a ZeRO 3 partition: elements [rank * size, rank * size + size)
+        size = tensor.ds_tensor.numel()
+        start = dist.get_rank() * size
+        length = max(0, min(size, tensor.ds_numel - start))
+        tensor.ds_tensor.data.view(-1).narrow(0, 0, length).copy_(read(start, length))
+        if tensor.ds_status == ZeroParamStatus.AVAILABLE:
+            tensor.data.view(-1).copy_(read(0, tensor.ds_numel))
+    else:
+        tensor.data.view(-1).copy_(read(0, tensor.numel()))
+
+
+def _tensor_shapes(module) -> dict:
+    """{name: shape} of a module's parameters (their full shape at ZeRO 3) and saved buffers."""
+    shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
+    saved = module.state_dict().keys()
+    shapes.update((name, list(b.shape)) for name, b in module.named_buffers() if name in saved)
+    return shapes
+
+
+def _model_mismatch(done, module, ckpt_dir):
+    """Why the checkpoint's model is not module's (its first differing names and shapes), else None."""
+    if "tensors" not in done:  # saved by an older release
+        return None
+    saved, here = done["tensors"], _tensor_shapes(module)
+    differing = [n for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
+    if not differing:
+        return None
+    shown = ", ".join(f"{n}: saved {saved.get(n, 'absent')}, here {here.get(n, 'absent')}" for n in differing[:3])
+    return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({shown})"
+
+
+def _damaged_record(load_dir, folder, done, rank, world_size):
+    """This rank's share of checking a checkpoint's files: every world_size-th zip record (torch.save writes zip
+    archives, a CRC per record, which torch.load does not verify) read and checked. (RuntimeError, why) or None."""
+    ckpt_dir = os.path.join(load_dir, folder)
+    records = []
+    for name in sorted(n for n in done.get("files", {}) if n.endswith(".pt")):
+        try:
+            with zipfile.ZipFile(os.path.join(ckpt_dir, name)) as archive:
+                records += [(name, info) for info in archive.infolist()]
+        except (OSError, zipfile.BadZipFile) as error:
+            return RuntimeError, f"checkpoint {ckpt_dir} does not load: {name} is damaged ({error})"
+    problem = _damaged_among(ckpt_dir, records[rank::world_size])
+    return None if problem is None else (RuntimeError, f"checkpoint {ckpt_dir} does not load: {problem}")
+
+
+def _damaged_among(folder, records):
+    """The first of records ((file name, zip info) pairs) whose bytes fail their CRC, and why; else None."""
+    by_file = {}
+    for name, info in records:
+        by_file.setdefault(name, []).append(info)
+    for name, infos in by_file.items():
+        try:
+            with zipfile.ZipFile(os.path.join(folder, name)) as archive:
+                for info in infos:
+                    with archive.open(info) as member:  # raises at the end of a record whose CRC differs
+                        while member.read(1 << 24):
+                            pass
+        except (OSError, zipfile.BadZipFile) as error:
+            return f"{name} is damaged ({error})"
+    return None
+
+
+def _written_by(name, rank) -> bool:
+    """Whether this rank wrote a checkpoint file: its RNG file, its ZeRO shards, and at rank 0 the rest."""
+    if name.startswith("rng_state_rank"):
+        return name == RNG_FILE.format(rank=rank)
+    if "zero_pp_rank_" in name:
+        return f"zero_pp_rank_{rank}_" in name
+    return rank == 0
+
+
+def _fsync(path) -> None:
+    """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------------------------------------------
 # Small helpers
 
 
@@ -839,19 +1144,6 @@ def _write_atomically(path: str, text: str) -> None:
 
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
-
-
-def _damaged_file(folder: str):
-    """The first .pt file in folder that is not a whole zip archive (torch.save's format), and why; else None."""
-    for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
-        try:
-            with zipfile.ZipFile(os.path.join(folder, name)) as archive:
-                bad = archive.testzip()  # reads every member and checks its CRC; the name of a bad one
-        except (OSError, zipfile.BadZipFile) as error:
-            bad = error
-        if bad is not None:
-            return f"{name} is damaged ({bad})"
-    return None
 
 
 def _complete_checkpoints(save_dir: str) -> list:

@@ -14,7 +14,10 @@ For each pipeline and stage, on a tiny random Llama (tied embeddings) with a tok
   2. a run started with --load_checkpoint from the checkpoint in the middle of the first epoch; its final
      weights must equal the full run's (the data order, random generators and optimizer state all resume);
   3. from_pretrained on the full run's saved folder, with no weight missing or unexpected.
-It prints one table row per pipeline and stage, and exits non-zero if any check fails.
+It prints one table row per pipeline and stage, and exits non-zero if any check fails. Then, in another shape:
+the SFT run's ZeRO 2 checkpoint from the middle of the first epoch resumed at ZeRO 3 (sft_2to3); its final
+weights must lie as close to the ZeRO 2 run's as the uninterrupted ZeRO 3 run's do (float rounding: the two
+stages sum gradients in another order).
 """
 
 import argparse
@@ -240,10 +243,23 @@ def check(pipeline, stage, work, site, pretrain):
     )
 
 
+def check_reshape(work, site, pretrain):
+    """sft_2's checkpoint at RESUME_AT resumed at ZeRO 3: (its distance to sft_2's weights, sft_3's)."""
+    resumed = os.path.join(work, "sft_2to3_resumed")
+    shutil.rmtree(resumed, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "sft_2", "ckpt"), os.path.join(resumed, "ckpt"))
+    write(os.path.join(resumed, "ckpt", "latest"), f"global_step{RESUME_AT}")
+    _, output = launch("sft", 3, work, site, pretrain, "sft_2to3_resumed", resume=True)
+    assert f"consumed_samples: {RESUME_AT * TRAIN_BATCH}" in output, "the resumed run did not load"
+    zero2 = saved_weights(os.path.join(work, "sft_2", "final"))
+    distance = lambda other: max((zero2[k].float() - other[k].float()).abs().max().item() for k in zero2)  # noqa: E731
+    return distance(saved_weights(os.path.join(resumed, "final"))), distance(saved_weights(os.path.join(work, "sft_3", "final")))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="/tmp/openrlhf-compat", help="scratch folder, emptied first")
-    parser.add_argument("--only", nargs="*", help="runs to do, such as sft_2 rm_3 (default: all six)")
+    parser.add_argument("--only", nargs="*", help="runs to do, such as sft_2 rm_3 (default: all six, and sft_2to3, which needs sft_2 and sft_3)")
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
@@ -268,6 +284,16 @@ def main():
             f"{'loads' if r['loads'] else r['problems']} | {r['seconds']:.0f} |" + ("" if ok else " <- FAILED"),
             flush=True,
         )
+    if not args.only or "sft_2to3" in args.only:
+        try:
+            resumed, uninterrupted = check_reshape(args.work, site, pretrain)
+            ok = resumed <= max(uninterrupted, 1e-6) * 2
+            print(f"\nsft, ZeRO 2 checkpoint at step {RESUME_AT} resumed at ZeRO 3: final weights {resumed:.1e} from the "
+                  f"ZeRO 2 run's (the uninterrupted ZeRO 3 run: {uninterrupted:.1e})" + ("" if ok else " <- FAILED"))
+            failed |= not ok
+        except Exception as error:
+            print(f"sft_2to3 FAILED: {str(error).splitlines()[0]}")
+            failed = True
     sys.exit(1 if failed else 0)
 
 

@@ -1,0 +1,138 @@
+"""What resuming in another shape costs: one checkpoint of a 100M-parameter model, saved by 2 ranks at ZeRO 2,
+loaded by 2 ranks at ZeRO 2 (DeepSpeed's own load) and at ZeRO 3 (get_strategy.py's reader), in one run.
+
+    python benchmarks/reshape_load.py                 # about 3 minutes on a 2-core CPU, 1.6 GB of disk
+    python benchmarks/reshape_load.py --repeats 3 --dir /tmp/reshape-bench
+
+It reports, per rank (the slower rank's time counts):
+- the load time in each shape, the median of --repeats loads taken alternately (the page cache is warm for both:
+  the first load reads the files in, and every later one finds them there);
+- the peak anonymous memory (RssAnon: memory the process owns, not the page cache that memory-mapped files use)
+  above what the rank held before the ZeRO 3 load, against the size of the largest parameter;
+- what checking every file's sizes and CRCs adds to a load: the load's time against the same load's time less
+  its check.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIDTH, LAYERS = 2896, 12  # 12 x (2896 x 2896 + 2896) = 100.7M parameters; the largest weight is 8.4M (33.5 MB)
+
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+class PeakMemory:
+    """Samples RssAnon every millisecond between start() and stop(); peak is the highest above the start."""
+
+    def start(self):
+        self.base, self.peak, self.running = rss_anon(), 0, True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, rss_anon() - self.base)
+            time.sleep(0.001)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return self.peak
+
+
+def worker(args):
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from get_strategy import get_strategy
+
+    def build(stage):
+        strategy = get_strategy(argparse.Namespace(zero_stage=stage, micro_train_batch_size=1, train_batch_size=2))
+        strategy.setup_distributed()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+        return strategy, strategy.prepare((model, strategy.create_optimizer(model, lr=1e-4), None))[0]
+
+    strategy, saving = build(2)
+    loss = saving(torch.randn(4, WIDTH)).pow(2).mean()
+    strategy.backward(loss, saving, None)
+    strategy.optimizer_step(None, saving, None)
+    started = time.perf_counter()
+    strategy.save_ckpt(saving, args.dir)
+    save_seconds = time.perf_counter() - started
+    zero3_strategy, zero3 = build(3)
+    engines = {"same shape (ZeRO 2, DeepSpeed's load)": (strategy, saving), "ZeRO 3": (zero3_strategy, zero3)}
+    times = {name: [] for name in engines}
+    checks = []
+    memory = PeakMemory()
+    original_choose = type(strategy)._choose_checkpoint
+
+    def timed_choose(self, *a, **k):  # the check: sizes and CRCs of every file, spread over the ranks
+        started = time.perf_counter()
+        try:
+            return original_choose(self, *a, **k)
+        finally:
+            checks[-1] = time.perf_counter() - started
+
+    type(strategy)._choose_checkpoint = timed_choose
+    peak = 0
+    for repeat in range(args.repeats):
+        for name, (s, engine) in engines.items():
+            checks.append(0.0)
+            torch.distributed.barrier()
+            if name == "ZeRO 3":
+                memory.start()
+            started = time.perf_counter()
+            s.load_ckpt(engine, args.dir)
+            times[name].append((time.perf_counter() - started, checks[-1]))
+            if name == "ZeRO 3":
+                peak = max(peak, memory.stop())
+    rank = strategy.get_rank()
+    largest = max(p.numel() for p in saving.module.parameters()) * 4
+    lines = [f"rank {rank}: save {save_seconds:.1f} s"]
+    for name, samples in times.items():
+        load = statistics.median(t for t, _ in samples)
+        check = statistics.median(c for _, c in samples)
+        lines.append(f"rank {rank}: {name}: load {load:.2f} s, of which the check {check:.2f} s "
+                     f"(a load with the check takes {load / (load - check):.2f}x one without)")  # fmt: skip
+    same, other = (statistics.median(t for t, _ in times[n]) for n in engines)
+    lines.append(f"rank {rank}: ZeRO 3 load / same-shape load = {other / same:.2f}")
+    lines.append(f"rank {rank}: peak RssAnon during the ZeRO 3 load {peak / 2**20:.0f} MiB above its start; "
+                 f"largest parameter {largest / 2**20:.0f} MiB ({peak / largest:.2f}x)")  # fmt: skip
+    outputs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(outputs, "\n".join(lines))
+    if rank == 0:
+        print("\n".join(outputs), flush=True)
+    strategy.teardown()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default="/tmp/reshape-bench", help="checkpoint folder, emptied first")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--worker",
+           "--repeats", str(args.repeats), "--dir", args.dir]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("rank ")) or done.stdout[-3000:])
+    shutil.rmtree(args.dir, ignore_errors=True)
+    sys.exit(done.returncode)
+
+
+if __name__ == "__main__":
+    main()

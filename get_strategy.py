@@ -1,12 +1,13 @@
-"""A DeepSpeed training strategy in one file: seeding, distributed set-up, the ds_config for ZeRO 0-3,
-prepare/backward/step wrappers, rank helpers and checkpoints.
+"""A DeepSpeed training strategy in one file: seeding, distributed set-up, the ds_config for ZeRO 0-3, the
+training step, collectives, data loading and checkpoints that resume in any run shape.
 
-It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Method
-names and signatures follow OpenRLHF 0.8.5's DeepspeedStrategy: its SFT, reward-model and DPO trainers run on
-this file with two import lines changed (README, "Running OpenRLHF's trainers").
+It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Its methods
+follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with their import lines changed (README,
+"OpenRLHF"). A vendored copy says which release it is in __version__; to see what a newer release changed, diff
+your copy against that release's get_strategy.py.
 
-Use it in a training script, with args from your argparse parser (README, "Using it in your trainer", shows one;
-it needs --zero_stage, and --local_rank under the deepspeed launcher):
+Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
+the deepspeed launcher):
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
@@ -16,27 +17,36 @@ it needs --zero_stage, and --local_rank under the deepspeed launcher):
         loss = loss_fn(model(batch))
         strategy.backward(loss, model, optimizer)
         strategy.optimizer_step(optimizer, model, scheduler)  # steps once every accumulated_gradient calls
-    strategy.teardown()  # see its docstring: ends the process group before Python shuts down
+    strategy.teardown()  # ends the process group before Python shuts down
 
-and launch it with `deepspeed train.py`, `torchrun --nproc_per_node N train.py` or plain `python train.py`
-(README, "Launching"). On a CPU-only machine the ranks talk over gloo.
+and launch it with `deepspeed train.py`, `torchrun --nproc_per_node N train.py` or plain `python train.py`. On a
+machine without a GPU the ranks run on the CPU and talk over gloo.
 
 Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size * world_size *
-accumulated_gradient, the samples of one optimizer step over all ranks and accumulation steps.
+accumulated_gradient. A micro-batch is what one rank puts through one forward and backward pass; the
+train_batch_size samples of all ranks and accumulation steps make one optimizer step.
+
+The ZeRO stages say what each rank keeps of the training state. Stage 0: everything (plain data parallelism).
+Stage 1: the whole model and gradients, but only its 1/world_size share of the optimizer state (Adam's fp32
+master weights and moments). Stage 2: also only its share of the gradients. Stage 3: also only its share of the
+weights, gathering each layer's full weights just while the layer runs.
 """
 
 import gc
 import itertools
 import json
 import math
+import mmap
 import os
 import pickle
 import random
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 import zipfile
+import zlib
 from datetime import timedelta
 
 import deepspeed
@@ -50,6 +60,8 @@ try:  # seeded and checkpointed when present; DeepSpeed itself requires NumPy, s
     import numpy
 except ImportError:
     numpy = None
+
+__version__ = "0.15.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults. get_strategy() reads each flag once, falling back to these; the constructor uses the same constants,
@@ -66,6 +78,13 @@ OVERLAP_COMM = False  # reduce gradients while the backward pass still runs: fas
 GRAD_ACCUM_DTYPE = None  # dtype gradients accumulate in ("fp32", "bf16", "fp16"); None: the weights' dtype
 LOCAL_RANK = -1  # -1: take the local rank from the launcher's LOCAL_RANK environment variable
 
+# Files a checkpoint folder holds besides DeepSpeed's own.
+RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which DeepSpeed does not save
+DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
+STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
+REPLACED = ".replaced"  # an older <tag> while the new one takes its name
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state besides its step: the running mean of gradients and of squares
+
 # Where launchers put the world size and this process's rank on its node: torchrun and the deepspeed launcher,
 # then MPI launchers (Open MPI, MVAPICH, MPICH and Intel MPI), whose variables exist before DeepSpeed's discovery.
 WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -80,48 +99,96 @@ LEFT_OUT = {
     "deepcompile": (False, "DeepSpeed's compiler (deepcompile)"),
 }
 
-# Files a checkpoint folder holds besides DeepSpeed's own.
-RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which DeepSpeed does not save
-DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
-STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
-REPLACED = ".replaced"  # an older <tag> while the new one takes its name
+
+def get_strategy(args) -> "DeepspeedStrategy":
+    """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
+    place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
+    which every run must choose."""
+    if getattr(args, "zero_stage", None) is None:
+        raise ValueError(
+            "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "
+            "and run with, for example, --zero_stage 2"
+        )
+    for flag, (off, feature) in LEFT_OUT.items():
+        value = getattr(args, flag, off)
+        if value != off:
+            raise ValueError(
+                f"--{flag} {value!r} asks for {feature}, which get_strategy.py does not do: "
+                f"leave it at {off!r}, or use OpenRLHF's own strategy"
+            )
+    return DeepspeedStrategy(
+        seed=getattr(args, "seed", SEED),
+        full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),
+        max_norm=getattr(args, "max_norm", MAX_NORM),
+        micro_train_batch_size=getattr(args, "micro_train_batch_size", MICRO_TRAIN_BATCH_SIZE),
+        train_batch_size=getattr(args, "train_batch_size", TRAIN_BATCH_SIZE),
+        zero_stage=args.zero_stage,
+        bf16=getattr(args, "bf16", BF16),
+        args=args,
+        adam_offload=getattr(args, "adam_offload", ADAM_OFFLOAD),
+        overlap_comm=getattr(args, "overlap_comm", OVERLAP_COMM),
+        grad_accum_dtype=getattr(args, "grad_accum_dtype", GRAD_ACCUM_DTYPE),
+        local_rank=getattr(args, "local_rank", LOCAL_RANK),
+    )
 
 
 class DeepspeedStrategy:
-    """Everything a DeepSpeed trainer needs around its model: set-up, configuration, the training step's
-    wrappers, collective helpers and checkpoints. Build it with get_strategy(args)."""
+    """Everything a DeepSpeed trainer needs around its model: set-up, configuration, the training step,
+    collectives, data loading and checkpoints. Build it with get_strategy(args)."""
 
-    def __init__(self, seed=SEED, full_determinism=FULL_DETERMINISM, max_norm=MAX_NORM,
-                 micro_train_batch_size=MICRO_TRAIN_BATCH_SIZE, train_batch_size=TRAIN_BATCH_SIZE,
-                 zero_stage=ZERO_STAGE, bf16=BF16, args=None, *, adam_offload=ADAM_OFFLOAD, overlap_comm=OVERLAP_COMM,
-                 grad_accum_dtype=GRAD_ACCUM_DTYPE, local_rank=LOCAL_RANK) -> None:  # OpenRLHF's order, then ours
-        # Check all that does not need the world size now, so a bad flag fails on every rank before any process
-        # group exists. setup_distributed() checks the rest. Each condition guards its own type first.
-        weights_dtype = "bf16" if bf16 is True else "fp32"
-        rules = [
-            ("--seed", seed, _is_int(seed), "must be a whole number"),
-            ("--zero_stage", zero_stage, _is_int(zero_stage) and 0 <= zero_stage <= 3, "is not a ZeRO stage: use 0 "
-             "(plain data parallel), 1 (shard optimizer states), 2 (and gradients) or 3 (and parameters)"),
-            *((flag, value, _is_int(value) and value >= 1, "must be a whole number of samples >= 1") for flag, value in
-              (("--micro_train_batch_size", micro_train_batch_size), ("--train_batch_size", train_batch_size))),
-            *((flag, value, isinstance(value, bool), "must be True or False (an argparse store_true flag)")
-              for flag, value in (("--full_determinism", full_determinism), ("--bf16", bf16),
-                                  ("--adam_offload", adam_offload), ("--overlap_comm", overlap_comm))),
-            ("--max_norm", max_norm, isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-             and 0 <= max_norm < float("inf"), "must be a finite number >= 0 (0 turns gradient clipping off)"),
-            ("--grad_accum_dtype", grad_accum_dtype, grad_accum_dtype in (None, "fp32", "bf16", "fp16"),
-             "must be fp32, bf16 or fp16, or left unset"),
-            ("--grad_accum_dtype", grad_accum_dtype, zero_stage != 0 or grad_accum_dtype in (None, weights_dtype),
-             f"needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed accumulates gradients in the weights' dtype "
-             f"({weights_dtype}); drop the flag or raise the stage"),
-            ("--adam_offload", adam_offload, not (adam_offload and zero_stage == 0), "needs --zero_stage 1, 2 or 3: "
-             "ZeRO-Offload moves each rank's shard of the optimizer to the CPU, and stage 0 does not shard it"),
-            ("--local_rank", local_rank, _is_int(local_rank) and local_rank >= -1,
-             "must be -1 (read LOCAL_RANK) or a device index >= 0"),
-        ]  # fmt: skip
-        for flag, value, holds, problem in rules:
-            if not holds:
-                raise ValueError(f"{flag} {value!r} {problem}")
+    def __init__(
+        self,
+        seed=SEED,
+        full_determinism=FULL_DETERMINISM,
+        max_norm=MAX_NORM,
+        micro_train_batch_size=MICRO_TRAIN_BATCH_SIZE,
+        train_batch_size=TRAIN_BATCH_SIZE,
+        zero_stage=ZERO_STAGE,
+        bf16=BF16,
+        args=None,  # up to here OpenRLHF's order of arguments; the rest by keyword only
+        *,
+        adam_offload=ADAM_OFFLOAD,
+        overlap_comm=OVERLAP_COMM,
+        grad_accum_dtype=GRAD_ACCUM_DTYPE,
+        local_rank=LOCAL_RANK,
+    ) -> None:
+        # Check every flag that does not need the world size now, so a bad value fails on every rank before any
+        # process group exists; setup_distributed() checks the batch sizes against the world size.
+        if not _is_int(seed):
+            raise ValueError(f"--seed {seed!r} must be a whole number")
+        if not (_is_int(zero_stage) and 0 <= zero_stage <= 3):
+            raise ValueError(
+                f"--zero_stage {zero_stage!r} is not a ZeRO stage: use 0 (plain data parallel), "
+                "1 (shard optimizer states), 2 (and gradients) or 3 (and parameters)"
+            )
+        for flag, value in (
+            ("--micro_train_batch_size", micro_train_batch_size),
+            ("--train_batch_size", train_batch_size),
+        ):
+            if not (_is_int(value) and value >= 1):
+                raise ValueError(f"{flag} {value!r} must be a whole number of samples >= 1")
+        switches = {"--full_determinism": full_determinism, "--bf16": bf16, "--adam_offload": adam_offload}
+        switches["--overlap_comm"] = overlap_comm
+        for flag, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} {value!r} must be True or False (an argparse store_true flag)")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 <= max_norm < math.inf:
+            raise ValueError(f"--max_norm {max_norm!r} must be a finite number >= 0 (0 turns gradient clipping off)")
+        if grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
+        weights_dtype = "bf16" if bf16 else "fp32"
+        if zero_stage == 0 and grad_accum_dtype not in (None, weights_dtype):
+            raise ValueError(
+                f"--grad_accum_dtype {grad_accum_dtype!r} needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed "
+                f"accumulates gradients in the weights' dtype ({weights_dtype}); drop the flag or raise the stage"
+            )
+        if adam_offload and zero_stage == 0:
+            raise ValueError(
+                "--adam_offload True needs --zero_stage 1, 2 or 3: ZeRO-Offload moves each rank's shard of the "
+                "optimizer to the CPU, and stage 0 does not shard it"
+            )
+        if not (_is_int(local_rank) and local_rank >= -1):
+            raise ValueError(f"--local_rank {local_rank!r} must be -1 (read LOCAL_RANK) or a device index >= 0")
 
         self.args = args  # the trainer's own flags, kept for trainers that read strategy.args
         self.seed = seed
@@ -137,7 +204,7 @@ class DeepspeedStrategy:
         self.local_rank = local_rank  # setup_distributed() replaces -1 with the launcher's value
         self.world_size = None  # known after setup_distributed()
         self.accumulated_gradient = None  # micro-steps per optimizer step, known after setup_distributed()
-        self.is_rlhf = False
+        self.is_rlhf = False  # set by prepare(); OpenRLHF's trainers read it
         self._ema_calls = 0  # moving_average() updates on every accumulated_gradient-th call
         self._stop_signal = None  # preemption_signal(): None until its first call, then the signal received or 0
 
@@ -152,75 +219,77 @@ class DeepspeedStrategy:
         torch.manual_seed(seed)  # the CPU generator and those of every visible accelerator
 
     def setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
-        """Seed, pick this rank's device, join the process group and derive the accumulation steps.
+        """Seed, join the process group, derive the accumulation steps and pick this rank's device.
 
-        Works under the deepspeed launcher, torchrun and plain python (one process). Calling it again in the
-        same process reseeds and reuses the existing process group."""
+        Works under the deepspeed launcher, torchrun, MPI launchers and plain python (one process). Calling it
+        again in the same process reseeds and reuses the existing process group."""
         self.set_seed(self.seed)
         if self.full_determinism:
-            # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable.
-            # It is read when the first cuBLAS handle is made, which is why this runs before any CUDA work.
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-            # flash-attention's backward adds with atomics unless told not to (read by flash-attn and transformers).
-            os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
-            torch.use_deterministic_algorithms(True)  # raise instead of silently running a nondeterministic kernel
-            torch.backends.cudnn.deterministic = True  # only deterministic convolution algorithms
-            torch.backends.cudnn.benchmark = False  # no timing-based choice of algorithm, which varies run to run
-
-        # Launchers export the rendezvous variables. Without one, describe a one-process world ourselves, or
-        # deepspeed.init_distributed() goes looking for MPI. MPI launchers (mpirun) set their own variables.
+            self._use_deterministic_kernels()
         if not any(name in os.environ for name in WORLD_SIZE_VARS):
-            for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-                os.environ.setdefault(name, value)
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-
-        # The deepspeed launcher passes --local_rank; it takes precedence over the environment.
-        if self.local_rank != -1:
+            self._describe_a_one_process_world()
+        if self.local_rank != -1:  # the deepspeed launcher passes --local_rank; it wins over the environment
             os.environ["LOCAL_RANK"] = str(self.local_rank)
-
         if not dist.is_initialized():
             # Check the batch sizes against the launcher's world size before the rendezvous: a rank that raised
             # inside it would leave the others waiting for the whole timeout.
-            launched_world_size = next((os.environ[n] for n in WORLD_SIZE_VARS if n in os.environ), None)
-            if launched_world_size is not None:
-                self._set_world_size(int(launched_world_size))
-            # nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory all-reduce for ranks on one host.
-            # Under mpirun this is also where DeepSpeed discovers the ranks and sets LOCAL_RANK.
-            env, backend = os.environ, get_accelerator().communication_backend_name()
-            where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
-            try:
-                if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                    # torchrun keeps one store across restarts: this attempt's keys get a prefix of their own, or a
-                    # restarted rank reads the addresses of dead ranks. DeepSpeed then adopts this process group.
-                    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-                    store = dist.PrefixStore(f"attempt{env['TORCHELASTIC_RESTART_COUNT']}/", agent)
-                    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-                    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-            except dist.DistNetworkError as error:  # the rendezvous port is taken
-                if "EADDRINUSE" in str(error):
-                    raise RuntimeError(f"port {where} is already in use, perhaps by another run on this machine: start "
-                                       f"with another, for example --master_port {_free_port()} (the deepspeed "
-                                       "launcher and torchrun both take it)") from error  # fmt: skip
-                raise
-            except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
-                raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): check that all "
-                                   "were started with the same --master_addr and --master_port") from error  # fmt: skip
+            launched = _first_variable(WORLD_SIZE_VARS)
+            if launched is not None:
+                self._set_world_size(int(launched))
+            self._join_process_group(timeout)
         self._set_world_size(dist.get_world_size())
-        # Only now is the local rank known under every launcher: it picks the device and each node's writer.
-        self.local_rank = int(next((os.environ[n] for n in LOCAL_RANK_VARS if n in os.environ), "0"))
+        # Only now is the local rank known under every launcher (MPI's is found while joining). It picks this
+        # rank's device and each node's first rank, which checks a checkpoint's files on that node.
+        self.local_rank = int(_first_variable(LOCAL_RANK_VARS) or 0)
         get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
 
-    def teardown(self) -> None:
-        """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
-        Without it a finished run can abort at exit ("terminate called without an active exception"): a gloo
-        thread releasing DeepSpeed's last collective needs the interpreter lock as Python shuts down, and Python
-        ends such threads. Two ranks on a loaded 2-core CPU: 3 of 40 runs aborted after barrier and destroy alone,
-        none of 56 with the collection too (6 of 16 unloaded with no teardown at all)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        gc.collect()  # while the interpreter still runs, so the workers' last releases happen now
+    @staticmethod
+    def _use_deterministic_kernels() -> None:
+        # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable. It is
+        # read when the first cuBLAS handle is made, which is why this runs before any CUDA work.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        # flash-attention's backward adds with atomics unless told not to (read by flash-attn and transformers).
+        os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+        torch.use_deterministic_algorithms(True)  # raise instead of silently running a nondeterministic kernel
+        torch.backends.cudnn.deterministic = True  # only deterministic convolution algorithms
+        torch.backends.cudnn.benchmark = False  # no timing-based choice of algorithm, which varies run to run
+
+    @staticmethod
+    def _describe_a_one_process_world() -> None:
+        # Launchers export the rendezvous variables. Without one (plain python), describe a world of one process
+        # ourselves, or deepspeed.init_distributed() goes looking for MPI.
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(name, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+    @staticmethod
+    def _join_process_group(timeout: timedelta) -> None:
+        """Join the process group: nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory
+        all-reduce for the ranks of one host. Under mpirun this is where DeepSpeed finds the ranks and sets
+        LOCAL_RANK. A taken port or a missing rank becomes an error that says how to fix it."""
+        env, backend = os.environ, get_accelerator().communication_backend_name()
+        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+        try:
+            if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun keeps one store across restarts: this attempt's keys get a prefix of their own, or a
+                # restarted rank reads the addresses of dead ranks. DeepSpeed then adopts this process group.
+                agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+                store = dist.PrefixStore(f"attempt{env['TORCHELASTIC_RESTART_COUNT']}/", agent)
+                rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):  # torch names no other cause; this one is common on shared machines
+                raise
+            raise RuntimeError(
+                f"port {where} is already in use, perhaps by another run on this machine: start with another, "
+                f"for example --master_port {_free_port()} (the deepspeed launcher and torchrun both take it)"
+            ) from error
+        except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
+            raise RuntimeError(
+                f"not every rank arrived at {where} within {timeout} ({error}): check that all were started with "
+                "the same --master_addr and --master_port"
+            ) from error
 
     def _set_world_size(self, world_size: int) -> None:
         samples_per_micro_step = self.micro_train_batch_size * world_size
@@ -235,33 +304,31 @@ class DeepspeedStrategy:
         self.world_size = world_size
         self.accumulated_gradient = self.train_batch_size // samples_per_micro_step
 
+    def teardown(self) -> None:
+        """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
+        Without it a finished multi-rank run can abort at exit ("terminate called without an active exception"):
+        a gloo thread still releasing DeepSpeed's last collective needs the interpreter lock while Python shuts
+        down, and Python ends such threads. The collection lets that release happen while Python still runs."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        gc.collect()
+
     # ---------------------------------------------------------------------------------------------------------
-    # DeepSpeed configuration
+    # DeepSpeed configuration: the ds_config dict deepspeed.initialize() reads
 
     def get_ds_train_config(self, is_actor: bool = False) -> dict:
         """The ds_config of a model that trains. is_actor is accepted for OpenRLHF's callers and changes nothing."""
         zero = {
-            # 0: every rank holds everything (plain data parallel); 1: shard the optimizer states over ranks;
-            # 2: also shard the gradients; 3: also shard the parameters, gathering each layer when it runs.
-            "stage": self.stage,
+            "stage": self.stage,  # what each rank keeps of the training state (the module docstring)
             # ZeRO-Offload: keep this rank's optimizer shard in CPU memory and run Adam there (DeepSpeedCPUAdam).
             "offload_optimizer": {"device": "cpu" if self.adam_offload else "none", "pin_memory": True},
-            # ZeRO 3 only: let save_model() gather the full weights on rank 0 instead of saving shards.
-            "stage3_gather_16bit_weights_on_model_save": True,
             # Reduce gradient buckets while the backward pass still runs. Written either way: DeepSpeed's default
             # differs by stage (on at 3, off below), and an unwritten False would silently mean True at stage 3.
             "overlap_comm": self.overlap_comm,
         }
-        config = {
-            "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
-            # Samples per optimizer step; DeepSpeed derives the accumulation steps as this / (micro * world size).
-            "train_batch_size": self.train_batch_size,
-            "gradient_clipping": self.max_norm,  # clip the global gradient L2 norm to this; 0 disables clipping
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.bf16},  # bfloat16 weights and activations, fp32 master weights for the update
-            "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off: the trainer reports progress
-            "wall_clock_breakdown": False,  # no per-phase timers, which synchronise the device to read time
-        }
+        config = self._ds_config(zero)
+        config["gradient_clipping"] = self.max_norm  # clip the global gradient L2 norm to this; 0 disables clipping
         if self.grad_accum_dtype is not None:
             config["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}  # dtype gradients are summed in
         return config
@@ -270,20 +337,64 @@ class DeepspeedStrategy:
         """The ds_config of a frozen model (a reference or reward model): no optimizer, no gradients. Only ZeRO 3
         saves memory without an optimizer, so the stage is 3 when training uses 3 and 0 otherwise. offload keeps
         the weights in CPU memory between uses; below ZeRO 3, where every rank holds the whole model, it is ignored."""
-        zero = {
-            "stage": 3 if self.stage == 3 else 0,  # shard the weights only when training does
-            "stage3_gather_16bit_weights_on_model_save": True,  # let save_model() gather full weights
-        }
+        zero = {"stage": 3 if self.stage == 3 else 0}  # shard the weights only when training does
         if offload and self.stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}  # ZeRO 3: fetch weights from CPU per layer
+        return self._ds_config(zero)
+
+    def _ds_config(self, zero: dict) -> dict:
+        """What the train and eval configs share, around their zero_optimization section."""
+        # ZeRO 3: lets DeepSpeed's own engine.save_16bit_model() gather the full weights. save_model() below gathers
+        # them itself, but a trainer may call DeepSpeed's method.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
         return {
-            "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # DeepSpeed checks batch sizes even here
-            "train_batch_size": self.train_batch_size,  # likewise; an eval engine never steps
+            "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
+            # Samples per optimizer step; DeepSpeed derives the accumulation steps as this / (micro * world size).
+            # An eval engine never steps, but DeepSpeed checks the batch sizes there too.
+            "train_batch_size": self.train_batch_size,
             "zero_optimization": zero,
-            "bf16": {"enabled": self.bf16},  # the same weight dtype as the trained models
-            "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off
-            "wall_clock_breakdown": False,  # no per-phase timers
+            "bf16": {"enabled": self.bf16},  # bfloat16 weights and activations, fp32 master weights for the update
+            "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off: the trainer reports progress
+            "wall_clock_breakdown": False,  # no per-phase timers, which synchronise the device to read time
         }
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Models, engines and OpenRLHF's Actor. prepare() wraps a model in a DeepSpeedEngine, which holds the module
+    # (engine.module) and runs its forward, backward and step. OpenRLHF's trainers pass an "Actor" instead: a
+    # module that keeps the model it trains in its `model` attribute. prepare() then puts the engine there
+    # (actor.model = engine) and returns the Actor, and every method below reaches the engine through it.
+
+    def _unwrap_model(self, model) -> torch.nn.Module:
+        """The plain module inside an engine, an Actor, or both."""
+        engine = self._engine(model)
+        return engine.module if isinstance(engine, deepspeed.DeepSpeedEngine) else engine
+
+    def _actor_inner(self, model):
+        """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
+        a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
+        if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
+            return None
+        inner = getattr(model, "model", None)
+        if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
+            return None
+        own = set(map(id, model.parameters())) - set(map(id, inner.parameters()))
+        return None if own else inner
+
+    def _in_actor(self, model, engine):
+        """What prepare() returns: an Actor, now holding the engine; otherwise the engine."""
+        if self._actor_inner(model) is None:
+            return engine
+        model.model = engine
+        return model
+
+    def _engine(self, model):
+        """The engine (or module) behind an Actor; anything else as it is."""
+        inner = self._actor_inner(model)
+        return model if inner is None else inner
+
+    def _is_zero3(self, model) -> bool:
+        engine = self._engine(model)
+        return isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_partition_weights()
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer, prepare, backward and step
@@ -294,12 +405,12 @@ class DeepspeedStrategy:
         deepspeed.zero.Init (as Hugging Face's from_pretrained does at ZeRO 3), or prepared. With adam_offload,
         DeepSpeedCPUAdam (compiled on first use); on CUDA torch's fused AdamW; elsewhere torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
-        params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
-        is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # a ZeRO 3 shard's shape is (0,)
-        groups = [
-            {"params": [p for p, m in zip(params, is_matrix) if m], "weight_decay": weight_decay},
-            {"params": [p for p, m in zip(params, is_matrix) if not m], "weight_decay": 0.0},
-        ]
+        decay, no_decay = [], []
+        for p in self._unwrap_model(model).parameters():
+            if p.requires_grad:
+                shape = getattr(p, "ds_shape", p.shape)  # a ZeRO 3 shard's own shape is (0,): ask for the full one
+                (decay if len(shape) >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # DeepSpeed drops an empty group, and a scheduler built on this optimizer would then count one too many.
         groups = [group for group in groups if group["params"]]
         if self.adam_offload:
@@ -320,54 +431,54 @@ class DeepspeedStrategy:
         self.is_rlhf = is_rlhf
         prepared = []
         for item in models_or_model_optim_pairs:
-            if isinstance(item, tuple):
-                if len(item) != 3:
-                    raise ValueError(f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
-                                     "pass None as the scheduler if there is none")  # fmt: skip
-                prepared.append(self._init_train_engine(*item) if item[0] is not None else (None, None, None))
-            else:
+            if not isinstance(item, tuple):
                 prepared.append(self._init_eval_engine(item) if item is not None else None)
+            elif len(item) != 3:
+                raise ValueError(
+                    f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
+                    "pass None as the scheduler if there is none"
+                )
+            else:
+                prepared.append(self._init_train_engine(*item) if item[0] is not None else (None, None, None))
         return prepared[0] if len(prepared) == 1 else prepared
 
     def _init_train_engine(self, model, optimizer, scheduler):
         if optimizer is None:
-            raise ValueError("prepare((model, optimizer, scheduler)) trains and needs an optimizer "
-                             "(strategy.create_optimizer); pass the bare model for an eval engine")  # fmt: skip
+            raise ValueError(
+                "prepare((model, optimizer, scheduler)) trains and needs an optimizer (strategy.create_optimizer); "
+                "pass the bare model for an eval engine"
+            )
         # The optimizer's groups by parameter name, before DeepSpeed regroups them: save_ckpt records them, since
         # a ZeRO 0 checkpoint keys Adam's state by position alone.
-        names = {id(p): name for name, p in _engine(model).named_parameters()}
+        names = {id(p): name for name, p in self._engine(model).named_parameters()}
         group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        config = self.get_ds_train_config()
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=_engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
+            model=self._engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
         engine.param_group_names = group_names
-        return _in_actor(model, engine), optimizer, scheduler
+        return self._in_actor(model, engine), optimizer, scheduler
 
     def _init_eval_engine(self, model):
         # OpenRLHF marks a frozen model whose weights may live in CPU memory with an `_offload` attribute.
-        engine, *_ = deepspeed.initialize(
-            model=_engine(model), config=self.get_ds_eval_config(getattr(model, "_offload", False))
-        )
-        return _in_actor(model, engine)
+        config = self.get_ds_eval_config(offload=getattr(model, "_offload", False))
+        engine, *_ = deepspeed.initialize(model=self._engine(model), config=config)
+        return self._in_actor(model, engine)
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
-        """Backward through the engine: it divides the loss by the accumulation steps and, at ZeRO 2 and 3,
-        reduces the gradients to their owning ranks."""
-        _engine(model).backward(loss)
+        """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients
+        are the mean over the whole batch, and on the last micro-step of an accumulation it averages them over
+        ranks: all-reduced at ZeRO 0 and 1, at ZeRO 2 and 3 reduced to the rank that owns each shard (with
+        overlap_comm, bucket by bucket while the backward pass still runs)."""
+        self._engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
-        """One micro-step of the engine. On the last micro-step of an accumulation it averages the gradients
-        over ranks, clips them to max_norm, steps the optimizer and the scheduler, and zeroes the gradients."""
-        _engine(model).step()
-
-    @staticmethod
-    def _unwrap_model(model) -> torch.nn.Module:
-        """The plain module inside an engine, an OpenRLHF Actor, or both."""
-        engine = _engine(model)
-        return engine.module if isinstance(engine, deepspeed.DeepSpeedEngine) else engine
+        """One micro-step of the engine: on the last micro-step of an accumulation it clips the gradients to
+        max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it does nothing."""
+        self._engine(model).step()
 
     # ---------------------------------------------------------------------------------------------------------
-    # Rank helpers and collectives
+    # Rank helpers, collectives and data
 
     def print(self, *msg) -> None:
         """print() on global rank 0 only."""
@@ -390,12 +501,13 @@ class DeepspeedStrategy:
         if isinstance(data, dict):
             reduced = {key: self.all_reduce(data[key], op) for key in self._keys_in_rank_order(data, "all_reduce")}
             return {key: reduced[key] for key in data}  # in the caller's order
-        if not isinstance(data, torch.Tensor):  # Python bool, int or float: a float64 for floats, exact otherwise
+        if not isinstance(data, torch.Tensor):  # a Python bool, int or float: float64 for a float, exact otherwise
             data = torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None)
             return self.all_reduce(data, op).item()
         self._require_process_group("all_reduce")
         exact = not data.is_floating_point() and not data.is_complex()  # bool or integer
-        tensor = data.detach().to(get_accelerator().current_device_name(), torch.int64 if exact else None, copy=True)
+        dtype = torch.int64 if exact else data.dtype
+        tensor = data.detach().to(get_accelerator().current_device_name(), dtype, copy=True)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         if op == "mean":
             tensor = (tensor.double() if exact else tensor) / self.world_size
@@ -435,6 +547,10 @@ class DeepspeedStrategy:
             raise ValueError(f"{what} of a dict needs the same keys on every rank; got per rank: {every_rank}")
         return keys
 
+    def _require_process_group(self, what: str) -> None:
+        if self.world_size is None or not dist.is_initialized():
+            raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
+
     def preemption_signal(self) -> int:
         """The signal any rank was sent since the first call, which starts listening: SIGTERM (sent before a job is
         killed) or SIGUSR1 (SLURM's advance notice); 0 if none. Call it on every rank between optimizer steps (one
@@ -445,27 +561,39 @@ class DeepspeedStrategy:
                 signal.signal(signum, lambda signum, frame: setattr(self, "_stop_signal", signum))
         return self.all_reduce(self._stop_signal, "max")
 
-    def _require_process_group(self, what: str) -> None:
-        if self.world_size is None or not dist.is_initialized():
-            raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
-
-    def setup_dataloader(self, dataset, batch_size: int, pin_memory: bool = False, shuffle: bool = True,
-                         collate_fn=None, drop_last=True, sampler=None, consumed_samples=0) -> DataLoader:  # fmt: skip
+    def setup_dataloader(
+        self,
+        dataset,
+        batch_size: int,
+        pin_memory: bool = False,
+        shuffle: bool = True,
+        collate_fn=None,
+        drop_last=True,
+        sampler=None,
+        consumed_samples=0,
+    ) -> DataLoader:
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
         by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
-        later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one."""
+        later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one. The sampler
+        is DistributedSampler, at the end of this file: torch's, able to start an epoch part-way."""
         if sampler is None:
-            sampler = DistributedSampler(dataset, num_replicas=self.world_size or 1, rank=self.get_rank(),
-                                         shuffle=shuffle, seed=self.seed, drop_last=drop_last,
-                                         consumed_samples=consumed_samples)  # fmt: skip
+            world_size, rank = self.world_size or 1, self.get_rank()
+            sampler = DistributedSampler(dataset, world_size, rank, shuffle, self.seed, drop_last, consumed_samples)
         # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                          pin_memory=pin_memory, drop_last=drop_last, generator=generator)  # fmt: skip
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            generator=generator,
+        )
 
     # ---------------------------------------------------------------------------------------------------------
-    # Checkpoints (to resume training) and model weights (to use the result)
+    # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
@@ -477,7 +605,7 @@ class DeepspeedStrategy:
         and max_mem GB remain (never the new one or latest's)."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
-        engine = _engine(model)
+        engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)
         if self.is_rank_0():
@@ -487,8 +615,8 @@ class DeepspeedStrategy:
         rank = self.get_rank()
         torch.save(_get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
         engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state or {}, save_latest=False)
-        for name in os.listdir(staging):  # on disk, not only in the page cache, before rank 0 commits
-            if _written_by(name, rank):
+        for name in os.listdir(staging):  # on the disk, not only in the page cache, before rank 0 commits
+            if self._written_by(name, rank):
                 _fsync(os.path.join(staging, name))
         _fsync(staging)
         dist.barrier()  # every rank's files are durable
@@ -497,32 +625,39 @@ class DeepspeedStrategy:
             self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
         dist.barrier()
 
+    def _written_by(self, name, rank) -> bool:
+        """Whether this rank wrote a checkpoint file: its RNG file, its ZeRO shards, and at rank 0 the rest."""
+        if name.startswith("rng_state_rank"):
+            return name == RNG_FILE.format(rank=rank)
+        if "zero_pp_rank_" in name:
+            return f"zero_pp_rank_{rank}_" in name
+        return rank == 0
+
     def _commit_checkpoint(self, engine, save_dir, tag, save_latest):
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
-        files = {}
-        for root, _, names in os.walk(staging):
-            for name in names:
-                path = os.path.join(root, name)
-                files[os.path.relpath(path, staging)] = os.path.getsize(path)
-        # What the run looked like, for load_ckpt: its shape, and the model's tensors and optimizer groups by name.
-        done = {
-            "world_size": self.world_size,
-            "zero_stage": self.stage,
-            "bf16": self.bf16,
-            "adam_offload": self.adam_offload,
-            "tensors": _tensor_shapes(engine.module),
-            "groups": getattr(engine, "param_group_names", None),
-            "files": files,
-        }
+        # The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
+        # ZeRO 0 checkpoint keys Adam's state by position alone), and every file's size.
+        done = {"world_size": self.world_size, "zero_stage": self.stage, "bf16": self.bf16}
+        done["adam_offload"] = self.adam_offload
+        done["tensors"] = self._tensor_shapes(engine.module)
+        done["groups"] = getattr(engine, "param_group_names", None)
+        done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
         _write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
         if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
             shutil.rmtree(folder + REPLACED, ignore_errors=True)
             os.rename(folder, folder + REPLACED)
         os.rename(staging, folder)
-        _fsync(save_dir)  # the rename itself survives a power cut
+        _fsync(save_dir)  # the rename, too, survives a power cut
         if save_latest:
             _write_atomically(os.path.join(save_dir, "latest"), tag)
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
+
+    def _tensor_shapes(self, module) -> dict:
+        """{name: shape} of a module's parameters (their full shape at ZeRO 3) and of the buffers it saves."""
+        shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
+        saved = module.state_dict().keys()
+        shapes.update((name, list(b.shape)) for name, b in module.named_buffers() if name in saved)
+        return shapes
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
         protected = {keep, _read_latest(save_dir)}
@@ -536,46 +671,53 @@ class DeepspeedStrategy:
                 shutil.rmtree(os.path.join(save_dir, name))
                 count, total = count - 1, total - sizes[name]
 
-    def load_ckpt(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                  load_lr_scheduler_states=True, load_module_only=False):  # fmt: skip
+    def load_ckpt(
+        self,
+        model,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
         """Load a checkpoint written by save_ckpt into a prepared engine and restore this rank's random generators;
         returns (load_path, client_state). Any run shape resumes: another number of ranks, ZeRO stage, dtype or
-        adam_offload (README, "Checkpoints and resuming"). Every file is checked first (sizes and CRCs, the work
-        spread over the ranks); with tag None, a checkpoint that fails is named and the newest one that passes is
-        used; a named tag that fails, or a checkpoint of another model, raises on every rank before anything loads.
-        load_module_only=True loads the weights alone.
+        adam_offload. Every file is checked first (sizes and CRCs, the work spread over the ranks). With tag None
+        it loads latest's checkpoint, or if that fails the newest one that passes, and says so; a named tag that
+        fails, or a checkpoint of another model, raises on every rank before anything loads. load_module_only=True
+        loads the weights alone.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
-        engine = _engine(model)
+        engine = self._engine(model)
         folder, done = self._choose_checkpoint(load_dir, tag)
         ckpt_dir = os.path.join(load_dir, folder)
         if load_module_strict:
-            self._raise_on_every_rank(_model_mismatch(done, engine.module, ckpt_dir), ValueError)
-        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done.get("adam_offload", self.adam_offload))
+            self._raise_on_every_rank(self._model_mismatch(done, engine.module, ckpt_dir), ValueError)
+        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done.get("adam_offload"))
         native = saved_shape == (self.world_size, self.stage, self.bf16, self.adam_offload) and not load_module_only
         if not native and done.get("groups") is None:
-            self._raise_on_every_rank(f"checkpoint {ckpt_dir} was saved by an older get_strategy.py, which did not "
-                                      "record its tensors: resume it in the shape that saved it", ValueError)  # fmt: skip
+            why = f"checkpoint {ckpt_dir} was saved by an older release of this file: resume it in the saving shape"
+            self._raise_on_every_rank(why, ValueError)
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
         error = None
         try:
             if native:  # DeepSpeed's own load, bit-exact
                 load_path, client_state = engine.load_checkpoint(
-                    load_dir, folder, load_module_strict=load_module_strict,
-                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                )  # fmt: skip
+                    load_dir, folder, load_module_strict, load_optimizer_states, load_lr_scheduler_states
+                )
             else:
                 optimizer_states = load_optimizer_states and not load_module_only
-                load_path, client_state = _load_in_new_shape(engine, ckpt_dir, done, optimizer_states)
+                load_path, client_state = self._load_in_new_shape(engine, ckpt_dir, done, optimizer_states)
                 if not load_module_only:
-                    _load_engine_state(engine, client_state, load_lr_scheduler_states)
+                    self._load_engine_state(engine, client_state, load_lr_scheduler_states)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
         self._raise_on_every_rank(error, RuntimeError)
         if not native and self.stage in (1, 2):
-            engine.optimizer.update_lp_params()  # collective: each rank's new fp32 shard into everyone's weights
+            engine.optimizer.update_lp_params()  # collective: each rank's new fp32 shard into every rank's weights
         if rng_states is not None:
             _set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
@@ -583,33 +725,98 @@ class DeepspeedStrategy:
         return load_path, client_state
 
     def _choose_checkpoint(self, load_dir, tag):
-        """(folder, record) of the checkpoint to load, every file checked. With tag None: latest's, else the newest
-        that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
+        """(folder, record) of the checkpoint to load, checked on every rank. With tag None: the one latest names,
+        else the newest that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
         candidates = [tag]
-        if tag is None:  # 'latest' names the checkpoint; if it was lost or fails, the next newest stands in
-            newest_first = list(reversed(_complete_checkpoints(load_dir)))
+        if tag is None:
+            newest_first = _complete_checkpoints(load_dir)[::-1]
             latest = _read_latest(load_dir)
             if latest is None and newest_first:
-                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, "
-                           f"{newest_first[0]}")  # fmt: skip
-            candidates = [latest] * (latest is not None) + [name for name in newest_first if name != latest]
+                self.print(
+                    f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {newest_first[0]}"
+                )
+            candidates = [latest] if latest is not None else []
+            candidates += [name for name in newest_first if name != latest]
         first_problem = None
         for name in candidates:
-            folder, done, problem = self._find_checkpoint(load_dir, name)
-            problem = self._first_problem(problem)
-            if problem is None:
-                problem = self._first_problem(_damaged_record(load_dir, folder, done, self.get_rank(), self.world_size))
+            folder, done, problem = self._check_checkpoint(load_dir, name)
             if problem is None:
                 if first_problem is not None:
                     self.print(f"{first_problem[1]}: resuming from {name} instead, the newest checkpoint that passes")
                 return folder, done
             first_problem = first_problem or problem
         if first_problem is None:
-            first_problem = (FileNotFoundError, f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint")
-        raise first_problem[0](first_problem[1])
+            raise FileNotFoundError(f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint")
+        error_type, why = first_problem
+        raise error_type(why)
+
+    def _check_checkpoint(self, load_dir, tag):
+        """(folder holding tag's complete checkpoint, its record, None) or (.., .., (error type, why not)), alike
+        on every rank. Each node's first rank checks that every file is there at its size; then every rank reads
+        its share of the files' records to check their CRCs (torch.load does not)."""
+        folder, done = None, None
+        # A save over an existing tag that crashed while swapping folders left a complete one under another name.
+        for name in (tag, tag + STAGING, tag + REPLACED):
+            try:
+                with open(os.path.join(load_dir, name, DONE_FILE)) as f:
+                    folder, done = name, json.load(f)
+                break
+            except (OSError, ValueError):
+                continue
+        if done is None:
+            problem = f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} "
+            problem += f"sees it (no {DONE_FILE}): the run may have stopped while saving it, or this node cannot "
+            problem += "see the folder (checkpoints need a filesystem every node shares); load an earlier tag"
+            problem = (FileNotFoundError, problem)
+        else:
+            done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
+            problem = self._missing_file(os.path.join(load_dir, folder), done) if self.local_rank == 0 else None
+        problem = self._first_problem(problem)
+        if problem is None:
+            names = sorted(name for name in done["files"] if name.endswith(".pt"))
+            damage = self._damaged_records(os.path.join(load_dir, folder), names, self.get_rank(), self.world_size)
+            problem = damage and (RuntimeError, f"checkpoint {os.path.join(load_dir, folder)} does not load: {damage}")
+            problem = self._first_problem(problem)
+        return folder, done, problem
+
+    def _missing_file(self, ckpt_dir, done):
+        """(FileNotFoundError, why) for the first file of the checkpoint not on this node at its saved size."""
+        for name, size in done["files"].items():
+            path = os.path.join(ckpt_dir, name)
+            found = os.path.getsize(path) if os.path.isfile(path) else None
+            if found != size:
+                state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
+                return (
+                    FileNotFoundError,
+                    f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag",
+                )
+        return None
+
+    def _damaged_records(self, folder, names, rank, world_size):
+        """Why the first damaged zip record is, among this rank's share (every world_size-th, from the rank-th) of the
+        records of the files names in folder; else None. torch.save writes a zip archive, each tensor a record
+        stored uncompressed, with a CRC: this computes each CRC straight from the memory-mapped file."""
+        records = 0
+        for name in names:
+            try:
+                with open(os.path.join(folder, name), "rb") as f, zipfile.ZipFile(f) as archive:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
+                        for info in archive.infolist():
+                            records += 1
+                            if records % world_size != rank:
+                                continue  # another rank's share
+                            # A record's bytes follow its 30-byte local header, its name and an extra field.
+                            name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
+                            start = info.header_offset + 30 + name_length + extra_length
+                            crc = zlib.crc32(view[start : start + info.compress_size])
+                            if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
+                                return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
+            except (OSError, ValueError, struct.error, zipfile.BadZipFile) as error:
+                return f"{name} is damaged ({error})"
+        return None
 
     def _first_problem(self, problem):
-        """The first rank's problem, as every rank sees it: (error type, message), or None when no rank has one."""
+        """The first rank's problem, as every rank sees it, or None when no rank has one."""
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         return next((p for p in problems if p), None)
@@ -620,32 +827,204 @@ class DeepspeedStrategy:
         if found:
             raise error_type(found)
 
-    def _find_checkpoint(self, load_dir, tag):
-        """(folder holding tag's complete checkpoint, its record, None), or (None, None, (error type, why not))."""
-        # A save over an existing tag that crashed while swapping folders left a complete one under another name.
-        for folder in (tag, tag + STAGING, tag + REPLACED):
-            try:
-                with open(os.path.join(load_dir, folder, DONE_FILE)) as f:
-                    done = json.load(f)
-                break
-            except (OSError, ValueError):
-                continue
+    def _model_mismatch(self, done, module, ckpt_dir):
+        """Why the checkpoint holds another model than module (its first differing names and shapes), else None."""
+        if "tensors" not in done:  # saved by an older release, which did not record them
+            return None
+        saved, here = done["tensors"], self._tensor_shapes(module)
+        differing = [name for name in sorted(set(saved) | set(here)) if saved.get(name) != here.get(name)]
+        if not differing:
+            return None
+        shown = [f"{n}: saved {saved.get(n, 'absent')}, here {here.get(n, 'absent')}" for n in differing[:3]]
+        return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({', '.join(shown)})"
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Resuming in another shape. DeepSpeed's own load needs the run shape that saved the checkpoint. For any other,
+    # load_ckpt reads the saved files at load time, rather than saving a second, shape-free copy of every
+    # checkpoint: saving stays as fast and as large as DeepSpeed's. The files are memory-mapped, so a rank reads
+    # only the slices of each tensor it will hold; a full tensor exists only where the new run keeps one whole.
+    #
+    # Both sides deal in slices of flattened tensors. The saved side is a dict of "pieces": for (tensor name, key),
+    # (start, 1-D tensor) pairs, the tensor holding elements start, start + 1, ... The keys: "value" (the fp32
+    # master weight of a trainable parameter, or a frozen parameter or buffer) and Adam's MOMENTS.
+
+    @torch.no_grad()
+    def _load_in_new_shape(self, engine, ckpt_dir, done, optimizer_states):
+        """Write a checkpoint of another run shape into engine: the fp32 master weights and, with
+        optimizer_states, Adam's moments, step and each group's hyperparameters; frozen parameters and buffers;
+        this rank's 16-bit weights, except at ZeRO 1 and 2, where update_lp_params() must follow on every rank.
+        Returns (the saved model-states file, the dict it holds)."""
+        pieces, groups, step, model_states = self._saved_pieces(ckpt_dir, done)
+        optimizer = engine.optimizer
+        base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer
+        for name, start, length, master, offset in self._owned_slices(engine):
+            if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
+                base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
+            for key in ("value", *MOMENTS) if optimizer_states else ("value",):
+                destination = master if key == "value" else base.state[master][key]
+                destination.view(-1)[offset : offset + length] = self._read(pieces.get((name, key), []), start, length)
+            if optimizer_states:
+                # torch's optimizers count steps in a 0-d float tensor, DeepSpeedCPUAdam and FusedAdam in an int.
+                torch_own = type(base).__module__.startswith("torch.")
+                base.state[master]["step"] = torch.tensor(float(step)) if torch_own else step
+        if optimizer_states:
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                # The hyperparameters (lr, betas, weight decay...), not the switches of how a step is computed.
+                for key in set(group) & set(saved) - {"params", "foreach", "fused", "capturable", "differentiable"}:
+                    group[key] = saved[key]
+        trainable = {name for names in done["groups"] for name in names}
+        module = engine.module
+        tensors = dict(module.named_parameters())
+        tensors.update((name, buffer) for name, buffer in module.named_buffers() if name in done["tensors"])
+        for name, tensor in tensors.items():  # ZeRO 1 and 2 gather their 16-bit weights in update_lp_params
+            if name not in trainable or self.stage in (0, 3):
+                self._write_tensor(
+                    tensor, lambda start, length, name=name: self._read(pieces[name, "value"], start, length)
+                )
+        return os.path.join(ckpt_dir, self._model_states_file(done["zero_stage"])), model_states
+
+    def _model_states_file(self, stage):
+        return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states):
+        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters.
+        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the rest."""
+        if load_lr_scheduler_states and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        engine.global_steps = states["global_steps"]
+        engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+        engine.skipped_steps = states["skipped_steps"]
+        deepspeeds = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
+        for key in deepspeeds + ["mp_world_size", "data_sampler", "random_ltd"]:
+            states.pop(key, None)
+
+    def _saved_pieces(self, ckpt_dir, done):
+        """(pieces, the saved optimizer's param groups, Adam's step, the model-states dict) of a checkpoint. Where
+        DeepSpeed puts each tensor depends on the ZeRO stage that saved it:
+        - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
+          (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
+        - 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's moments
+          alike; its param_slice_mappings say where each parameter's fragment lies in it. A parameter's fragments
+          in rank order make it whole.
+        - 3: each rank's optimizer file holds one flat partition per sub-group: each parameter's ZeRO 3 slice, in
+          order. Each rank's model file holds its slices of the frozen parameters."""
+        stage, world_size = done["zero_stage"], done["world_size"]
+
+        def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
+            return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
+
+        pieces, steps = {}, []
+
+        def add(name, start, tensors, offset=0, length=None):
+            """Record each tensor of `tensors` that is a weight or a moment as a piece of `name` from element start
+            on: its flattened elements [offset, offset + length), or all."""
+            for key, tensor in tensors.items():
+                if key in ("value", *MOMENTS):
+                    tensor = tensor.reshape(-1)
+                    end = tensor.numel() if length is None else offset + length
+                    pieces.setdefault((name, key), []).append((start, tensor[offset:end]))
+
+        model_states = load(self._model_states_file(stage))
+        module = model_states["module"]
+        trainable = {name for names in done["groups"] for name in names}
+        for name in done["tensors"]:  # frozen tensors lie whole in rank 0's model file, but ZeRO 3's parameters
+            if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):
+                add(name, 0, {"value": module[name]})
+        if stage == 0:
+            optimizer = model_states["optimizer"]
+            torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps it, with fp32 copies
+            for g, (group, names) in enumerate(zip(torch_state["param_groups"], done["groups"], strict=True)):
+                for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
+                    value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
+                    state = torch_state["state"].get(index, {})  # none for a parameter that never had a gradient
+                    steps.append(state.get("step", 0))
+                    add(name, 0, {"value": value, **state})
+            return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
+        seen = dict.fromkeys(done["tensors"], 0)  # ZeRO 1 and 2: a parameter's elements in earlier ranks' fragments
+        for rank in range(world_size):
+            optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+            saved = load(optimizer_file)["optimizer_state_dict"]  # bf16 runs prefix its name with bf16_
+            if stage < 3:
+                torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
+                layouts = []
+                for mapping in saved["param_slice_mappings"]:
+                    layouts.append([])
+                    for name, fragment in mapping.items():
+                        layouts[-1].append((name, seen[name], fragment.start, fragment.numel))
+                        seen[name] += fragment.numel
+            else:
+                torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
+                layouts = [self._zero3_layout(shapes, world_size, rank) for shapes in model_states["param_shapes"]]
+                frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
+                for name, fragment in frozen.items():
+                    start, length, _ = self._zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
+                    add(name, start, {"value": fragment}, 0, length)
+            for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
+                state = torch_state["state"].get(g, {})
+                steps.append(state.get("step", 0))
+                for name, start, offset, length in layout:
+                    add(name, start, {"value": flat, **state}, offset, length)
+        return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
+
+    def _owned_slices(self, engine):
+        """Each slice of a trainable parameter's fp32 master weight that this rank's optimizer steps, as (name,
+        start, length, master, offset): elements [start, start + length) of parameter `name`, flattened, are
+        elements [offset, offset + length) of the flattened tensor `master`, which keys the optimizer's state."""
+        optimizer, rank = engine.optimizer, dist.get_rank()
+        names = {id(p): name for name, p in engine.module.named_parameters()}
+        if self.stage in (1, 2):  # one flat range per group; a parameter's _hp_mapping says which part is its
+            for master, params in zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True):
+                for p in params:
+                    if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
+                        lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
+                        yield names[id(p)], lp.start, lp.numel, master, hp.start
+        elif self.stage == 3:  # one flat partition per sub-group: each parameter's ZeRO 3 slice, in order
+            for master, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups, strict=True):
+                shapes = {names[id(p)]: p.ds_shape for p in params}
+                for name, start, offset, length in self._zero3_layout(shapes, self.world_size, rank):
+                    yield name, start, length, master, offset
+        else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
+            masters = getattr(optimizer, "fp32_groups", [group["params"] for group in optimizer.param_groups])
+            for params, copies in zip(getattr(optimizer, "fp16_groups", masters), masters, strict=True):
+                for p, master in zip(params, copies, strict=True):
+                    yield names[id(p)], 0, p.numel(), master, 0
+
+    def _read(self, pieces, start, length):
+        """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies
+        (the moments of a parameter that never had a gradient). Only the slices that overlap are read."""
+        values = torch.zeros(length, dtype=pieces[0][1].dtype if pieces else torch.float32)
+        for piece_start, piece in pieces:
+            low, high = max(start, piece_start), min(start + length, piece_start + piece.numel())
+            if low < high:
+                values[low - start : high - start] = piece[low - piece_start : high - piece_start]
+        return values
+
+    def _zero3_slice(self, numel, world_size, rank):
+        """ZeRO 3's partition of a flattened tensor: each rank holds size = ceil(numel / world_size) elements from
+        rank * size on, the last rank's end zero padding. (start, length of the real elements, size)."""
+        size = -(-numel // world_size)
+        return rank * size, max(0, min(size, numel - rank * size)), size
+
+    def _zero3_layout(self, shapes, world_size, rank):
+        """(name, start, offset, length) of each parameter's slice in a ZeRO 3 flat partition, one per sub-group
+        and rank: the parameters' slices one after the other, in order, each taking its full size."""
+        layout, offset = [], 0
+        for name, shape in shapes.items():
+            start, length, size = self._zero3_slice(math.prod(shape), world_size, rank)
+            layout.append((name, start, offset, length))
+            offset += size
+        return layout
+
+    def _write_tensor(self, tensor, read):
+        """Write the values read(start, length) gives into a module's flattened parameter or buffer: at ZeRO 3 this
+        rank's partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
+        if hasattr(tensor, "ds_tensor"):
+            start, length, _ = self._zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
+            tensor.ds_tensor.data.view(-1)[:length] = read(start, length)
+            if tensor.ds_status == ZeroParamStatus.AVAILABLE:
+                tensor.data.view(-1)[:] = read(0, tensor.ds_numel)
         else:
-            return None, None, (FileNotFoundError, f"checkpoint {os.path.join(load_dir, tag)} is missing or "
-                                f"incomplete as {socket.gethostname()} sees it (no {DONE_FILE}): the run may have "
-                                "stopped while saving it, or this node cannot see the folder (checkpoints need a "
-                                "filesystem every node shares); load an earlier tag")  # fmt: skip
-        ckpt_dir = os.path.join(load_dir, folder)
-        done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
-        if self.local_rank == 0:  # once per node: every file there, at the size it was written
-            for name, size in done.get("files", {}).items():
-                path = os.path.join(ckpt_dir, name)
-                found = os.path.getsize(path) if os.path.isfile(path) else None
-                if found != size:
-                    state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                    why = f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag"
-                    return None, None, (FileNotFoundError, why)
-        return folder, done, None
+            tensor.data.view(-1)[:] = read(0, tensor.numel())
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's
@@ -677,7 +1056,7 @@ class DeepspeedStrategy:
         submodule at a time (DeepSpeed's private _zero3_consolidated_16bit_state_dict broadcasts them back too)."""
         module = self._unwrap_model(model)
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
-        if _is_zero3(model):
+        if self._is_zero3(model):
             for submodule in module.modules():
                 params = list(submodule.parameters(recurse=False))
                 with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -700,14 +1079,12 @@ class DeepspeedStrategy:
         with strict=False; else rank 0 reports missing and extra keys. At ZeRO 3 each rank reads only its shards."""
         # Below ZeRO 3 this rank reads the whole file and checks it alone; at ZeRO 3, where every rank must call
         # this and reads only its shards, the ranks share the check.
-        zero3 = _is_zero3(model)
+        zero3 = self._is_zero3(model)
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         folder, name = os.path.split(os.path.abspath(path))
         problem = None
         if zipfile.is_zipfile(path):  # torch.save's format; other formats carry no CRCs to check
-            with zipfile.ZipFile(path) as archive:
-                records = [(name, info) for info in archive.infolist()]
-            problem = _damaged_among(folder, records[rank::world_size])
+            problem = self._damaged_records(folder, [name], rank, world_size)
         if zero3:
             problem = self._first_problem(problem)
         if problem:
@@ -715,8 +1092,10 @@ class DeepspeedStrategy:
         try:  # memory-mapped where the format allows: a tensor is read only where it is used
             state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipfile.is_zipfile(path))
         except pickle.UnpicklingError as error:
-            raise ValueError(f"refusing to load {path}: it holds Python objects besides tensors, and unpickling "
-                             f"them could run code; load a state dict (save_model writes one).\n{error}") from None
+            raise ValueError(
+                f"refusing to load {path}: it holds Python objects besides tensors, and unpickling "
+                f"them could run code; load a state dict (save_model writes one).\n{error}"
+            ) from None
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
         self._load_state_dict(model, state_dict, strict, source=path)
@@ -727,9 +1106,11 @@ class DeepspeedStrategy:
         module = self._unwrap_model(model)
         expected = list(module.state_dict())  # at ZeRO 3 too: partitioned parameters appear with empty shards
         if not set(state_dict) & set(expected):
-            raise ValueError(f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
-                             f"{sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)")
-        if _is_zero3(model):
+            raise ValueError(
+                f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
+                f"{sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)"
+            )
+        if self._is_zero3(model):
             tensors = dict(module.named_parameters(remove_duplicate=False))
             tensors.update(module.named_buffers(remove_duplicate=False))
             missing = [key for key in expected if key not in state_dict]
@@ -742,14 +1123,14 @@ class DeepspeedStrategy:
                 raise RuntimeError(f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
             for key in (key for key in state_dict if key in tensors):
                 value = state_dict[key].reshape(-1)
-                _write_tensor(tensors[key], lambda start, length, value=value: value[start : start + length])
+                self._write_tensor(tensors[key], lambda start, length, value=value: value[start : start + length])
         else:
             result = module.load_state_dict(state_dict, strict=strict)
             missing, unexpected = result.missing_keys, result.unexpected_keys
         if missing or unexpected:
             self.print(f"loaded {source} with {len(missing)} missing keys {missing[:5]} and "
                        f"{len(unexpected)} unexpected keys {unexpected[:5]}")  # fmt: skip
-        optimizer = getattr(_engine(model), "optimizer", None)
+        optimizer = getattr(self._engine(model), "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
 
@@ -801,308 +1182,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
 
 # -------------------------------------------------------------------------------------------------------------
-# OpenRLHF's Actor: a module that keeps the model it trains in its `model` attribute. Its prepare() puts the
-# engine there (actor.model = engine) and returns the Actor, and every method then reaches the engine through it.
-
-
-def _actor_inner(model):
-    """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
-    a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
-    if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
-        return None
-    inner = getattr(model, "model", None)
-    if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
-        return None
-    return inner if set(map(id, model.parameters())) <= set(map(id, inner.parameters())) else None  # none of its own
-
-
-def _in_actor(model, engine):
-    """What prepare() returns: an Actor, now holding the engine; otherwise the engine."""
-    if _actor_inner(model) is None:
-        return engine
-    model.model = engine
-    return model
-
-
-def _engine(model):
-    """The engine (or module) behind an Actor; anything else as it is."""
-    inner = _actor_inner(model)
-    return model if inner is None else inner
-
-
-def _is_zero3(model) -> bool:
-    engine = _engine(model)
-    return isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_partition_weights()
-
-
-# -------------------------------------------------------------------------------------------------------------
-# Resuming in another shape. DeepSpeed's own load needs the run shape that saved the checkpoint. For any other,
-# load_ckpt reads the saved files directly, at load time, rather than saving a second shape-free copy of every
-# checkpoint: saving stays as fast and as large as DeepSpeed's. Each saved file is memory-mapped, so a rank reads
-# only the slices of each tensor it will hold, never the whole model; a full tensor exists only where the new run
-# keeps one whole (ZeRO 0 below 3, and ZeRO 3's small resident parameters).
-#
-# Both sides speak of "pieces": the flattened tensor `name` from element `start` on, as 1-D tensors per key
-# ("value": the fp32 master weight, or a frozen tensor; "exp_avg" and "exp_avg_sq": Adam's moments).
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@torch.no_grad()
-def _load_in_new_shape(engine, ckpt_dir, done, optimizer_states):
-    """Write a checkpoint of another run shape into engine: fp32 master weights and, with optimizer_states, Adam's
-    moments, step and each group's hyperparameters; frozen parameters and buffers; this rank's 16-bit weights
-    except at ZeRO 1 and 2, where update_lp_params() must follow on every rank. Returns (path, saved states)."""
-    pieces, groups, step, model_states = _saved_pieces(ckpt_dir, done)
-
-    def reader(name, key):
-        def read(start, length):  # elements [start, start + length) of the flattened tensor, from the pieces
-            parts = []
-            for piece_start, tensors in pieces[name]:
-                source = tensors[key] if key in tensors else torch.zeros(tensors["value"].numel())
-                low, high = max(start, piece_start), min(start + length, piece_start + source.numel())
-                if low < high:
-                    parts.append(source[low - piece_start : high - piece_start])
-            return torch.cat(parts) if parts else torch.zeros(0)
-
-        return read
-
-    optimizer = engine.optimizer
-    base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer
-    for name, start, length, master, offset in _owned_slices(engine):
-        keys = ("value", *MOMENTS) if optimizer_states else ("value",)
-        if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
-            base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
-        for key in keys:
-            destination = master if key == "value" else base.state[master][key]
-            destination.view(-1).narrow(0, offset, length).copy_(reader(name, key)(start, length))
-        if optimizer_states:
-            # torch's optimizers count steps in a 0-d float tensor, DeepSpeedCPUAdam and FusedAdam in an int.
-            own = type(base).__module__.startswith("torch.")
-            base.state[master]["step"] = torch.tensor(float(step)) if own else step
-    if optimizer_states:
-        for group, saved in zip(optimizer.param_groups, groups, strict=True):
-            for key in set(group) & set(saved) - {"params", "foreach", "fused", "capturable", "differentiable"}:
-                group[key] = saved[key]  # hyperparameters (lr, betas, weight decay...), not how steps are computed
-    module, trainable = engine.module, {name for names in done["groups"] for name in names}
-    tensors = dict(module.named_parameters())
-    tensors.update((name, buffer) for name, buffer in module.named_buffers() if name in done["tensors"])
-    for name, tensor in tensors.items():
-        if name not in trainable or engine.zero_optimization_stage() in (0, 3):
-            _write_tensor(tensor, reader(name, "value"))  # ZeRO 1 and 2 gather their weights in update_lp_params
-    return os.path.join(ckpt_dir, _model_states_file(done["zero_stage"])), model_states
-
-
-def _load_engine_state(engine, states, load_lr_scheduler_states):
-    """What DeepSpeed's own load restores besides the model and optimizer: the scheduler and the counters. Leaves
-    in states only client_state: what save_ckpt's caller passed, and DeepSpeed's other records, as its load does."""
-    if load_lr_scheduler_states and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-    engine.global_steps = states["global_steps"]
-    engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.skipped_steps = states["skipped_steps"]
-    for key in ("module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size",
-                "mp_world_size", "data_sampler", "random_ltd"):  # fmt: skip
-        states.pop(key, None)
-
-
-def _model_states_file(stage):
-    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-
-
-def _saved_pieces(ckpt_dir, done):
-    """Where every tensor of a saved checkpoint lies: ({name: [(start, {key: 1-D tensor})]}, the optimizer's saved
-    param groups, Adam's step, the model-states dict). DeepSpeed's layouts, by the stage that saved:
-    - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
-      (the indices follow the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies per group.
-    - 1 and 2: each rank's optimizer file holds one flat fp32 range per group, with Adam's moments alike, and
-      param_slice_mappings: where in that range each parameter's fragment sits. A parameter's fragments in rank
-      order make it whole.
-    - 3: each rank's optimizer file holds one flat fp32 partition per sub-group: in order, each parameter's
-      rank-th slice of ceil(numel / world_size) elements, zero-padded at the end; frozen parameters likewise in
-      each rank's model file."""
-    stage, world = done["zero_stage"], done["world_size"]
-
-    def load(name):  # mmap: tensors are read from disk only where they are sliced
-        return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
-
-    def optimizer_file(rank):  # bf16 runs prefix the name with bf16_
-        return next(n for n in done["files"] if n.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-
-    model_states = load(_model_states_file(stage))
-    module = model_states["module"]
-    trainable = {name for names in done["groups"] for name in names}
-    pieces, steps = {name: [] for name in done["tensors"]}, []
-    seen = dict.fromkeys(done["tensors"], 0)  # ZeRO 1 and 2: elements of each parameter in earlier ranks' fragments
-    for name in done["tensors"]:
-        if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):
-            pieces[name].append((0, {"value": module[name].reshape(-1)}))
-    if stage == 0:
-        optimizer = model_states["optimizer"]
-        torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps torch's with fp32 copies
-        groups = torch_state["param_groups"]
-        for g, (group, names) in enumerate(zip(groups, done["groups"], strict=True)):
-            for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
-                value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
-                state = torch_state["state"].get(index, {})  # none for a parameter that never had a gradient
-                steps.append(state.get("step", 0))
-                moments = {key: state[key].reshape(-1) for key in MOMENTS if key in state}
-                pieces[name].append((0, {"value": value.reshape(-1), **moments}))
-    for rank in range(world if stage > 0 else 0):
-        saved = load(optimizer_file(rank))["optimizer_state_dict"]
-        if stage < 3:
-            torch_state = saved["base_optimizer_state"]
-            flats, layouts = saved["single_partition_of_fp32_groups"], []
-            for mapping in saved["param_slice_mappings"]:
-                layouts.append([(name, address.start, address.numel) for name, address in mapping.items()])
-        else:
-            torch_state = saved["optimizer_state_dict"]
-            flats, layouts = saved["fp32_flat_groups"], []
-            for shapes in model_states["param_shapes"]:  # one ordered {name: shape} per sub-group
-                layouts.append([])
-                offset = 0
-                for name, shape in shapes.items():
-                    size = -(-math.prod(shape) // world)  # the ceiling: every rank's slice has this size
-                    layouts[-1].append((name, offset, max(0, min(size, math.prod(shape) - rank * size))))
-                    offset += size
-            frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
-            for name, fragment in frozen.items():
-                size = fragment.numel()
-                length = max(0, min(size, math.prod(done["tensors"][name]) - rank * size))
-                pieces[name].append((rank * size, {"value": fragment.reshape(-1)[:length]}))
-        groups = torch_state["param_groups"]
-        for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
-            state = torch_state["state"].get(g, {})
-            steps.append(state.get("step", 0))
-            for name, offset, length in layout:
-                if stage < 3:
-                    start, seen[name] = seen[name], seen[name] + length
-                else:
-                    start = rank * -(-math.prod(done["tensors"][name]) // world)
-                tensors = {"value": flat.narrow(0, offset, length)}
-                tensors.update((key, state[key].narrow(0, offset, length)) for key in MOMENTS if key in state)
-                pieces[name].append((start, tensors))
-    return pieces, groups, int(max(steps, default=0)), model_states
-
-
-def _owned_slices(engine):
-    """Each slice of a trainable parameter's flattened fp32 master weight that this rank's optimizer steps, as
-    (name, start, length, master, offset): elements [start, start + length) of parameter `name` are elements
-    [offset, offset + length) of the flattened tensor `master`, which also keys the optimizer's state."""
-    optimizer, rank = engine.optimizer, dist.get_rank()
-    names = {id(p): name for name, p in engine.module.named_parameters()}
-    stage = engine.zero_optimization_stage()
-    if stage in (1, 2):  # each rank steps one flat range per group; a parameter's _hp_mapping says which part
-        for master, params in zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True):
-            for p in params:
-                if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
-                    lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-                    yield names[id(p)], lp.start, lp.numel, master, hp.start
-    elif stage == 3:  # one flat partition per sub-group: each parameter's rank-th slice, in order
-        for master, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups, strict=True):
-            offset = 0
-            for p in params:
-                size = p.partition_numel()
-                yield names[id(p)], rank * size, max(0, min(size, p.ds_numel - rank * size)), master, offset
-                offset += size
-    else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
-        copies = getattr(optimizer, "fp32_groups", [g["params"] for g in optimizer.param_groups])
-        lows = getattr(optimizer, "fp16_groups", copies)
-        for params, masters in zip(lows, copies, strict=True):
-            for p, master in zip(params, masters, strict=True):
-                yield names[id(p)], 0, p.numel(), master, 0
-
-
-def _write_tensor(tensor, read):
-    """Write the flattened values read(start, length) gives into a module's parameter or buffer: at ZeRO 3 this
-    rank's partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
-    if hasattr(tensor, "ds_tensor"):  # a ZeRO 3 partition: elements [rank * size, rank * size + size)
-        size = tensor.ds_tensor.numel()
-        start = dist.get_rank() * size
-        length = max(0, min(size, tensor.ds_numel - start))
-        tensor.ds_tensor.data.view(-1).narrow(0, 0, length).copy_(read(start, length))
-        if tensor.ds_status == ZeroParamStatus.AVAILABLE:
-            tensor.data.view(-1).copy_(read(0, tensor.ds_numel))
-    else:
-        tensor.data.view(-1).copy_(read(0, tensor.numel()))
-
-
-def _tensor_shapes(module) -> dict:
-    """{name: shape} of a module's parameters (their full shape at ZeRO 3) and saved buffers."""
-    shapes = {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
-    saved = module.state_dict().keys()
-    shapes.update((name, list(b.shape)) for name, b in module.named_buffers() if name in saved)
-    return shapes
-
-
-def _model_mismatch(done, module, ckpt_dir):
-    """Why the checkpoint's model is not module's (its first differing names and shapes), else None."""
-    if "tensors" not in done:  # saved by an older release
-        return None
-    saved, here = done["tensors"], _tensor_shapes(module)
-    differing = [n for n in sorted(set(saved) | set(here)) if saved.get(n) != here.get(n)]
-    if not differing:
-        return None
-    shown = ", ".join(f"{n}: saved {saved.get(n, 'absent')}, here {here.get(n, 'absent')}" for n in differing[:3])
-    return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({shown})"
-
-
-def _damaged_record(load_dir, folder, done, rank, world_size):
-    """This rank's share of checking a checkpoint's files: every world_size-th zip record (torch.save writes zip
-    archives, a CRC per record, which torch.load does not verify) read and checked. (RuntimeError, why) or None."""
-    ckpt_dir = os.path.join(load_dir, folder)
-    records = []
-    for name in sorted(n for n in done.get("files", {}) if n.endswith(".pt")):
-        try:
-            with zipfile.ZipFile(os.path.join(ckpt_dir, name)) as archive:
-                records += [(name, info) for info in archive.infolist()]
-        except (OSError, zipfile.BadZipFile) as error:
-            return RuntimeError, f"checkpoint {ckpt_dir} does not load: {name} is damaged ({error})"
-    problem = _damaged_among(ckpt_dir, records[rank::world_size])
-    return None if problem is None else (RuntimeError, f"checkpoint {ckpt_dir} does not load: {problem}")
-
-
-def _damaged_among(folder, records):
-    """The first of records ((file name, zip info) pairs) whose bytes fail their CRC, and why; else None."""
-    by_file = {}
-    for name, info in records:
-        by_file.setdefault(name, []).append(info)
-    for name, infos in by_file.items():
-        try:
-            with zipfile.ZipFile(os.path.join(folder, name)) as archive:
-                for info in infos:
-                    with archive.open(info) as member:  # raises at the end of a record whose CRC differs
-                        while member.read(1 << 24):
-                            pass
-        except (OSError, zipfile.BadZipFile) as error:
-            return f"{name} is damaged ({error})"
-    return None
-
-
-def _written_by(name, rank) -> bool:
-    """Whether this rank wrote a checkpoint file: its RNG file, its ZeRO shards, and at rank 0 the rest."""
-    if name.startswith("rng_state_rank"):
-        return name == RNG_FILE.format(rank=rank)
-    if "zero_pp_rank_" in name:
-        return f"zero_pp_rank_{rank}_" in name
-    return rank == 0
-
-
-def _fsync(path) -> None:
-    """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -------------------------------------------------------------------------------------------------------------
 # Small helpers
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _first_variable(names):
+    """The value of the first of these environment variables that is set, else None."""
+    return next((os.environ[name] for name in names if name in os.environ), None)
 
 
 def _free_port() -> int:
@@ -1161,31 +1250,10 @@ def _read_latest(save_dir: str):
         return None
 
 
-# -------------------------------------------------------------------------------------------------------------
-
-
-def get_strategy(args) -> DeepspeedStrategy:
-    """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
-    place flags are read. A flag missing from args takes its default from the top of this file, except
-    --zero_stage, which every run must choose."""
-    if getattr(args, "zero_stage", None) is None:
-        raise ValueError("--zero_stage is required: add parser.add_argument('--zero_stage', type=int, "
-                         "choices=[0, 1, 2, 3]) and run with, for example, --zero_stage 2")  # fmt: skip
-    for flag, (off, feature) in LEFT_OUT.items():
-        if getattr(args, flag, off) != off:
-            raise ValueError(f"--{flag} {getattr(args, flag)!r} asks for {feature}, which get_strategy.py does not "
-                             f"do: leave it at {off!r}, or use OpenRLHF's own strategy")  # fmt: skip
-    return DeepspeedStrategy(
-        seed=getattr(args, "seed", SEED),
-        full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),
-        max_norm=getattr(args, "max_norm", MAX_NORM),
-        micro_train_batch_size=getattr(args, "micro_train_batch_size", MICRO_TRAIN_BATCH_SIZE),
-        train_batch_size=getattr(args, "train_batch_size", TRAIN_BATCH_SIZE),
-        zero_stage=args.zero_stage,
-        bf16=getattr(args, "bf16", BF16),
-        args=args,
-        adam_offload=getattr(args, "adam_offload", ADAM_OFFLOAD),
-        overlap_comm=getattr(args, "overlap_comm", OVERLAP_COMM),
-        grad_accum_dtype=getattr(args, "grad_accum_dtype", GRAD_ACCUM_DTYPE),
-        local_rank=getattr(args, "local_rank", LOCAL_RANK),
-    )
+def _fsync(path) -> None:
+    """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -392,7 +392,7 @@ class HuggingFaceLike(torch.nn.Module):
 
 
 def test_an_actor_is_unwrapped_but_a_hugging_face_models_backbone_is_not():
-    from get_strategy import _actor_inner
+    _actor_inner = DeepspeedStrategy(zero_stage=2)._actor_inner
 
     inner = make_model()
     assert _actor_inner(Actor(inner)) is inner

@@ -8,7 +8,8 @@ It reports, per rank (the slower rank's time counts):
 - the load time in each shape, the median of --repeats loads taken alternately (the page cache is warm for both:
   the first load reads the files in, and every later one finds them there);
 - the peak anonymous memory (RssAnon: memory the process owns, not the page cache that memory-mapped files use)
-  above what the rank held before the ZeRO 3 load, against the size of the largest parameter;
+  during the ZeRO 3 load, less what the rank still holds after it (the first load creates the optimizer state
+  that the first step would otherwise create), against the size of the largest parameter;
 - what checking every file's sizes and CRCs adds to a load: the load's time against the same load's time less
   its check.
 """
@@ -45,9 +46,10 @@ class PeakMemory:
             time.sleep(0.001)
 
     def stop(self):
+        """(peak above the start, held above the start now)."""
         self.running = False
         self.thread.join()
-        return self.peak
+        return self.peak, rss_anon() - self.base
 
 
 def worker(args):
@@ -85,7 +87,7 @@ def worker(args):
             checks[-1] = time.perf_counter() - started
 
     type(strategy)._choose_checkpoint = timed_choose
-    peak = 0
+    transient, kept = 0, []
     for repeat in range(args.repeats):
         for name, (s, engine) in engines.items():
             checks.append(0.0)
@@ -96,7 +98,8 @@ def worker(args):
             s.load_ckpt(engine, args.dir)
             times[name].append((time.perf_counter() - started, checks[-1]))
             if name == "ZeRO 3":
-                peak = max(peak, memory.stop())
+                peak, held = memory.stop()
+                transient, kept = max(transient, peak - held), kept + [held]
     rank = strategy.get_rank()
     largest = max(p.numel() for p in saving.module.parameters()) * 4
     lines = [f"rank {rank}: save {save_seconds:.1f} s"]
@@ -107,8 +110,9 @@ def worker(args):
                      f"(a load with the check takes {load / (load - check):.2f}x one without)")  # fmt: skip
     same, other = (statistics.median(t for t, _ in times[n]) for n in engines)
     lines.append(f"rank {rank}: ZeRO 3 load / same-shape load = {other / same:.2f}")
-    lines.append(f"rank {rank}: peak RssAnon during the ZeRO 3 load {peak / 2**20:.0f} MiB above its start; "
-                 f"largest parameter {largest / 2**20:.0f} MiB ({peak / largest:.2f}x)")  # fmt: skip
+    lines.append(f"rank {rank}: ZeRO 3 load: RssAnon kept after each load {[round(k / 2**20) for k in kept]} MiB; "
+                 f"peak above that {transient / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB "
+                 f"({transient / largest:.2f}x)")  # fmt: skip
     outputs = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(outputs, "\n".join(lines))
     if rank == 0:

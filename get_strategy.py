@@ -3,8 +3,8 @@ training step, collectives, data loading and checkpoints that resume in any run 
 
 It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Its methods
 follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with their import lines changed (README,
-"OpenRLHF"). A vendored copy says which release it is in __version__; to see what a newer release changed, diff
-your copy against that release's get_strategy.py.
+"OpenRLHF"). This file's own release is __version__, below: a vendored copy keeps saying which one it is, and
+diffing it against a newer release's get_strategy.py shows what changed.
 
 Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
 the deepspeed launcher):
@@ -50,16 +50,12 @@ import zlib
 from datetime import timedelta
 
 import deepspeed
+import numpy  # DeepSpeed requires it, so vendoring this file adds nothing to install
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.utils.data import DataLoader
-
-try:  # seeded and checkpointed when present; DeepSpeed itself requires NumPy, so vendoring adds nothing
-    import numpy
-except ImportError:
-    numpy = None
 
 __version__ = "0.15.0"
 
@@ -105,31 +101,19 @@ def get_strategy(args) -> "DeepspeedStrategy":
     place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
     which every run must choose."""
     if getattr(args, "zero_stage", None) is None:
-        raise ValueError(
-            "--zero_stage is required: add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) "
-            "and run with, for example, --zero_stage 2"
-        )
+        fix = "add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) and run with --zero_stage 2"
+        raise ValueError(f"--zero_stage is required: {fix}, for example")
     for flag, (off, feature) in LEFT_OUT.items():
         value = getattr(args, flag, off)
         if value != off:
-            raise ValueError(
-                f"--{flag} {value!r} asks for {feature}, which get_strategy.py does not do: "
-                f"leave it at {off!r}, or use OpenRLHF's own strategy"
-            )
-    return DeepspeedStrategy(
-        seed=getattr(args, "seed", SEED),
-        full_determinism=getattr(args, "full_determinism", FULL_DETERMINISM),
-        max_norm=getattr(args, "max_norm", MAX_NORM),
-        micro_train_batch_size=getattr(args, "micro_train_batch_size", MICRO_TRAIN_BATCH_SIZE),
-        train_batch_size=getattr(args, "train_batch_size", TRAIN_BATCH_SIZE),
-        zero_stage=args.zero_stage,
-        bf16=getattr(args, "bf16", BF16),
-        args=args,
-        adam_offload=getattr(args, "adam_offload", ADAM_OFFLOAD),
-        overlap_comm=getattr(args, "overlap_comm", OVERLAP_COMM),
-        grad_accum_dtype=getattr(args, "grad_accum_dtype", GRAD_ACCUM_DTYPE),
-        local_rank=getattr(args, "local_rank", LOCAL_RANK),
-    )
+            fix = f"leave it at {off!r}, or use OpenRLHF's own strategy"
+            raise ValueError(f"--{flag} {value!r} asks for {feature}, which get_strategy.py does not do: {fix}")
+    # The constructor's flags besides zero_stage: each one args lacks keeps the constructor's default, the constant
+    # of the same name above.
+    names = ["seed", "full_determinism", "max_norm", "micro_train_batch_size", "train_batch_size", "bf16"]
+    names += ["adam_offload", "overlap_comm", "grad_accum_dtype", "local_rank"]
+    flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return DeepspeedStrategy(zero_stage=args.zero_stage, args=args, **flags)
 
 
 class DeepspeedStrategy:
@@ -157,14 +141,10 @@ class DeepspeedStrategy:
         if not _is_int(seed):
             raise ValueError(f"--seed {seed!r} must be a whole number")
         if not (_is_int(zero_stage) and 0 <= zero_stage <= 3):
-            raise ValueError(
-                f"--zero_stage {zero_stage!r} is not a ZeRO stage: use 0 (plain data parallel), "
-                "1 (shard optimizer states), 2 (and gradients) or 3 (and parameters)"
-            )
-        for flag, value in (
-            ("--micro_train_batch_size", micro_train_batch_size),
-            ("--train_batch_size", train_batch_size),
-        ):
+            stages = "0 (plain data parallel), 1 (shard optimizer states), 2 (and gradients) or 3 (and parameters)"
+            raise ValueError(f"--zero_stage {zero_stage!r} is not a ZeRO stage: use {stages}")
+        batch_sizes = {"--micro_train_batch_size": micro_train_batch_size, "--train_batch_size": train_batch_size}
+        for flag, value in batch_sizes.items():
             if not (_is_int(value) and value >= 1):
                 raise ValueError(f"{flag} {value!r} must be a whole number of samples >= 1")
         switches = {"--full_determinism": full_determinism, "--bf16": bf16, "--adam_offload": adam_offload}
@@ -178,15 +158,11 @@ class DeepspeedStrategy:
             raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
         weights_dtype = "bf16" if bf16 else "fp32"
         if zero_stage == 0 and grad_accum_dtype not in (None, weights_dtype):
-            raise ValueError(
-                f"--grad_accum_dtype {grad_accum_dtype!r} needs --zero_stage 1, 2 or 3: at stage 0 DeepSpeed "
-                f"accumulates gradients in the weights' dtype ({weights_dtype}); drop the flag or raise the stage"
-            )
+            why = f"at stage 0 DeepSpeed accumulates gradients in the weights' dtype ({weights_dtype})"
+            raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} needs --zero_stage 1, 2 or 3: {why}; drop it")
         if adam_offload and zero_stage == 0:
-            raise ValueError(
-                "--adam_offload True needs --zero_stage 1, 2 or 3: ZeRO-Offload moves each rank's shard of the "
-                "optimizer to the CPU, and stage 0 does not shard it"
-            )
+            why = "ZeRO-Offload moves each rank's shard of the optimizer to the CPU, and stage 0 does not shard it"
+            raise ValueError(f"--adam_offload True needs --zero_stage 1, 2 or 3: {why}")
         if not (_is_int(local_rank) and local_rank >= -1):
             raise ValueError(f"--local_rank {local_rank!r} must be -1 (read LOCAL_RANK) or a device index >= 0")
 
@@ -214,8 +190,7 @@ class DeepspeedStrategy:
     def set_seed(self, seed: int) -> None:
         """Seed every generator a training step draws from, alike on every rank, so all build the same model."""
         random.seed(seed)
-        if numpy is not None:
-            numpy.random.seed(seed)
+        numpy.random.seed(seed)
         torch.manual_seed(seed)  # the CPU generator and those of every visible accelerator
 
     def setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
@@ -281,15 +256,11 @@ class DeepspeedStrategy:
         except dist.DistNetworkError as error:
             if "EADDRINUSE" not in str(error):  # torch names no other cause; this one is common on shared machines
                 raise
-            raise RuntimeError(
-                f"port {where} is already in use, perhaps by another run on this machine: start with another, "
-                f"for example --master_port {_free_port()} (the deepspeed launcher and torchrun both take it)"
-            ) from error
+            fix = f"--master_port {_free_port()} (the deepspeed launcher and torchrun both take it)"
+            raise RuntimeError(f"port {where} is already in use, perhaps by another run here: try {fix}") from error
         except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
-            raise RuntimeError(
-                f"not every rank arrived at {where} within {timeout} ({error}): check that all were started with "
-                "the same --master_addr and --master_port"
-            ) from error
+            fix = "check that all were started with the same --master_addr and --master_port"
+            raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): {fix}") from error
 
     def _set_world_size(self, world_size: int) -> None:
         samples_per_micro_step = self.micro_train_batch_size * world_size
@@ -405,11 +376,10 @@ class DeepspeedStrategy:
         deepspeed.zero.Init (as Hugging Face's from_pretrained does at ZeRO 3), or prepared. With adam_offload,
         DeepSpeedCPUAdam (compiled on first use); on CUDA torch's fused AdamW; elsewhere torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
-        decay, no_decay = [], []
-        for p in self._unwrap_model(model).parameters():
-            if p.requires_grad:
-                shape = getattr(p, "ds_shape", p.shape)  # a ZeRO 3 shard's own shape is (0,): ask for the full one
-                (decay if len(shape) >= 2 else no_decay).append(p)
+        params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
+        # Dimensions of the full shape: a ZeRO 3 parameter's own shape is its shard's, (0,).
+        decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+        no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # DeepSpeed drops an empty group, and a scheduler built on this optimizer would then count one too many.
         groups = [group for group in groups if group["params"]]
@@ -434,20 +404,16 @@ class DeepspeedStrategy:
             if not isinstance(item, tuple):
                 prepared.append(self._init_eval_engine(item) if item is not None else None)
             elif len(item) != 3:
-                raise ValueError(
-                    f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; "
-                    "pass None as the scheduler if there is none"
-                )
+                fix = "pass None as the scheduler if there is none"
+                raise ValueError(f"prepare() takes (model, optimizer, scheduler) tuples, got {len(item)} items; {fix}")
             else:
                 prepared.append(self._init_train_engine(*item) if item[0] is not None else (None, None, None))
         return prepared[0] if len(prepared) == 1 else prepared
 
     def _init_train_engine(self, model, optimizer, scheduler):
         if optimizer is None:
-            raise ValueError(
-                "prepare((model, optimizer, scheduler)) trains and needs an optimizer (strategy.create_optimizer); "
-                "pass the bare model for an eval engine"
-            )
+            fix = "strategy.create_optimizer(model), or pass the bare model for an eval engine"
+            raise ValueError(f"prepare((model, optimizer, scheduler)) trains and needs an optimizer: {fix}")
         # The optimizer's groups by parameter name, before DeepSpeed regroups them: save_ckpt records them, since
         # a ZeRO 0 checkpoint keys Adam's state by position alone.
         names = {id(p): name for name, p in self._engine(model).named_parameters()}
@@ -467,14 +433,15 @@ class DeepspeedStrategy:
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
         """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients
-        are the mean over the whole batch, and on the last micro-step of an accumulation it averages them over
-        ranks: all-reduced at ZeRO 0 and 1, at ZeRO 2 and 3 reduced to the rank that owns each shard (with
-        overlap_comm, bucket by bucket while the backward pass still runs)."""
+        are the mean over the whole batch, and averages the gradients over ranks: at ZeRO 0 and 1 by one
+        all-reduce on the last micro-step of an accumulation; at ZeRO 2 and 3, which keep only their shard of the
+        gradients, on every micro-step, each gradient reduced to the rank that owns its shard (with overlap_comm,
+        bucket by bucket while the backward pass still runs)."""
         self._engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
         """One micro-step of the engine: on the last micro-step of an accumulation it clips the gradients to
-        max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it does nothing."""
+        max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it only counts it."""
         self._engine(model).step()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -575,22 +542,15 @@ class DeepspeedStrategy:
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
         by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
         later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one. The sampler
-        is DistributedSampler, at the end of this file: torch's, able to start an epoch part-way."""
+        is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way."""
         if sampler is None:
             world_size, rank = self.world_size or 1, self.get_rank()
             sampler = DistributedSampler(dataset, world_size, rank, shuffle, self.seed, drop_last, consumed_samples)
         # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            drop_last=drop_last,
-            generator=generator,
-        )
+        options = {"collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last}  # passed through
+        return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
 
     # ---------------------------------------------------------------------------------------------------------
     # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape
@@ -668,6 +628,7 @@ class DeepspeedStrategy:
             if count <= max_num and total <= max_bytes:
                 break
             if name not in protected:
+                os.remove(os.path.join(save_dir, name, DONE_FILE))  # first: a half-deleted folder is not complete
                 shutil.rmtree(os.path.join(save_dir, name))
                 count, total = count - 1, total - sizes[name]
 
@@ -695,7 +656,7 @@ class DeepspeedStrategy:
         ckpt_dir = os.path.join(load_dir, folder)
         if load_module_strict:
             self._raise_on_every_rank(self._model_mismatch(done, engine.module, ckpt_dir), ValueError)
-        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done.get("adam_offload"))
+        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done["adam_offload"])
         native = saved_shape == (self.world_size, self.stage, self.bf16, self.adam_offload) and not load_module_only
         if not native and done.get("groups") is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: resume it in the saving shape"
@@ -728,26 +689,24 @@ class DeepspeedStrategy:
         """(folder, record) of the checkpoint to load, checked on every rank. With tag None: the one latest names,
         else the newest that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
         candidates = [tag]
-        if tag is None:
-            newest_first = _complete_checkpoints(load_dir)[::-1]
+        if tag is None:  # latest's checkpoint first, then the complete ones, newest first
             latest = _read_latest(load_dir)
+            newest_first = [name for name in reversed(_complete_checkpoints(load_dir)) if name != latest]
             if latest is None and newest_first:
-                self.print(
-                    f"{load_dir} has no 'latest' file: resuming from its newest complete checkpoint, {newest_first[0]}"
-                )
-            candidates = [latest] if latest is not None else []
-            candidates += [name for name in newest_first if name != latest]
-        first_problem = None
+                newest = f"its newest complete checkpoint, {newest_first[0]}"
+                self.print(f"{load_dir} has no 'latest' file: resuming from {newest}")
+            candidates = ([latest] if latest is not None else []) + newest_first
+        problems = []  # (error type, why) of each candidate that failed, newest first
         for name in candidates:
             folder, done, problem = self._check_checkpoint(load_dir, name)
             if problem is None:
-                if first_problem is not None:
-                    self.print(f"{first_problem[1]}: resuming from {name} instead, the newest checkpoint that passes")
+                if problems:
+                    self.print(f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes")
                 return folder, done
-            first_problem = first_problem or problem
-        if first_problem is None:
+            problems.append(problem)
+        if not problems:
             raise FileNotFoundError(f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint")
-        error_type, why = first_problem
+        error_type, why = problems[0]
         raise error_type(why)
 
     def _check_checkpoint(self, load_dir, tag):
@@ -764,46 +723,45 @@ class DeepspeedStrategy:
             except (OSError, ValueError):
                 continue
         if done is None:
-            problem = f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} "
-            problem += f"sees it (no {DONE_FILE}): the run may have stopped while saving it, or this node cannot "
-            problem += "see the folder (checkpoints need a filesystem every node shares); load an earlier tag"
-            problem = (FileNotFoundError, problem)
+            why = f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} sees it"
+            why += f" (no {DONE_FILE}): the run stopped while saving it, or this node cannot see the folder (it must be"
+            problem = (FileNotFoundError, why + " on a filesystem every node shares); load an earlier tag")
         else:
-            done = {"zero_stage": self.stage, "bf16": self.bf16, **done}  # older checkpoints did not record these
+            for key, value in (("zero_stage", self.stage), ("bf16", self.bf16), ("adam_offload", self.adam_offload)):
+                done.setdefault(key, value)  # what older releases did not record: take it to be this run's
             problem = self._missing_file(os.path.join(load_dir, folder), done) if self.local_rank == 0 else None
         problem = self._first_problem(problem)
         if problem is None:
-            names = sorted(name for name in done["files"] if name.endswith(".pt"))
+            names = sorted(name for name in done.get("files", {}) if name.endswith(".pt"))
             damage = self._damaged_records(os.path.join(load_dir, folder), names, self.get_rank(), self.world_size)
-            problem = damage and (RuntimeError, f"checkpoint {os.path.join(load_dir, folder)} does not load: {damage}")
+            if damage is not None:
+                problem = (RuntimeError, f"checkpoint {os.path.join(load_dir, folder)} does not load: {damage}")
             problem = self._first_problem(problem)
         return folder, done, problem
 
     def _missing_file(self, ckpt_dir, done):
         """(FileNotFoundError, why) for the first file of the checkpoint not on this node at its saved size."""
-        for name, size in done["files"].items():
+        for name, size in done.get("files", {}).items():
             path = os.path.join(ckpt_dir, name)
             found = os.path.getsize(path) if os.path.isfile(path) else None
             if found != size:
                 state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                return (
-                    FileNotFoundError,
-                    f"checkpoint file {path} {state} on {socket.gethostname()}: load an earlier tag",
-                )
+                return FileNotFoundError, f"checkpoint file {path} {state} on {socket.gethostname()}: load another tag"
         return None
 
     def _damaged_records(self, folder, names, rank, world_size):
-        """Why the first damaged zip record is, among this rank's share (every world_size-th, from the rank-th) of the
-        records of the files names in folder; else None. torch.save writes a zip archive, each tensor a record
-        stored uncompressed, with a CRC: this computes each CRC straight from the memory-mapped file."""
-        records = 0
+        """What is wrong with the first damaged zip record among this rank's share of the records of the files
+        names in folder (every world_size-th record, from the rank-th on), or None. torch.save writes a zip
+        archive, each tensor a record stored uncompressed with its CRC: this computes each CRC straight from the
+        memory-mapped file."""
+        record = -1  # the index of each record, counted over all the files
         for name in names:
             try:
                 with open(os.path.join(folder, name), "rb") as f, zipfile.ZipFile(f) as archive:
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
                         for info in archive.infolist():
-                            records += 1
-                            if records % world_size != rank:
+                            record += 1
+                            if record % world_size != rank:
                                 continue  # another rank's share
                             # A record's bytes follow its 30-byte local header, its name and an extra field.
                             name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
@@ -860,7 +818,8 @@ class DeepspeedStrategy:
         for name, start, length, master, offset in self._owned_slices(engine):
             if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
                 base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
-            for key in ("value", *MOMENTS) if optimizer_states else ("value",):
+            keys = ("value", *MOMENTS) if optimizer_states else ("value",)
+            for key in keys:
                 destination = master if key == "value" else base.state[master][key]
                 destination.view(-1)[offset : offset + length] = self._read(pieces.get((name, key), []), start, length)
             if optimizer_states:
@@ -870,17 +829,15 @@ class DeepspeedStrategy:
         if optimizer_states:
             for group, saved in zip(optimizer.param_groups, groups, strict=True):
                 # The hyperparameters (lr, betas, weight decay...), not the switches of how a step is computed.
-                for key in set(group) & set(saved) - {"params", "foreach", "fused", "capturable", "differentiable"}:
+                switches = {"params", "foreach", "fused", "capturable", "differentiable"}
+                for key in (set(group) & set(saved)) - switches:
                     group[key] = saved[key]
         trainable = {name for names in done["groups"] for name in names}
-        module = engine.module
-        tensors = dict(module.named_parameters())
-        tensors.update((name, buffer) for name, buffer in module.named_buffers() if name in done["tensors"])
+        tensors = dict(engine.module.named_parameters())
+        tensors.update((name, b) for name, b in engine.module.named_buffers() if name in done["tensors"])
         for name, tensor in tensors.items():  # ZeRO 1 and 2 gather their 16-bit weights in update_lp_params
             if name not in trainable or self.stage in (0, 3):
-                self._write_tensor(
-                    tensor, lambda start, length, name=name: self._read(pieces[name, "value"], start, length)
-                )
+                self._write_tensor(tensor, pieces[name, "value"])
         return os.path.join(ckpt_dir, self._model_states_file(done["zero_stage"])), model_states
 
     def _model_states_file(self, stage):
@@ -942,8 +899,9 @@ class DeepspeedStrategy:
             return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
         seen = dict.fromkeys(done["tensors"], 0)  # ZeRO 1 and 2: a parameter's elements in earlier ranks' fragments
         for rank in range(world_size):
+            # Found by the end of its name: bf16 runs prefix it with bf16_.
             optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-            saved = load(optimizer_file)["optimizer_state_dict"]  # bf16 runs prefix its name with bf16_
+            saved = load(optimizer_file)["optimizer_state_dict"]
             if stage < 3:
                 torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
                 layouts = []
@@ -1001,8 +959,9 @@ class DeepspeedStrategy:
 
     def _zero3_slice(self, numel, world_size, rank):
         """ZeRO 3's partition of a flattened tensor: each rank holds size = ceil(numel / world_size) elements from
-        rank * size on, the last rank's end zero padding. (start, length of the real elements, size)."""
-        size = -(-numel // world_size)
+        rank * size on; elements past numel, at the end of the last ranks' slices, are zero padding. Returns
+        (start, length of the real elements, size)."""
+        size = (numel + world_size - 1) // world_size  # numel / world_size, rounded up
         return rank * size, max(0, min(size, numel - rank * size)), size
 
     def _zero3_layout(self, shapes, world_size, rank):
@@ -1015,16 +974,16 @@ class DeepspeedStrategy:
             offset += size
         return layout
 
-    def _write_tensor(self, tensor, read):
-        """Write the values read(start, length) gives into a module's flattened parameter or buffer: at ZeRO 3 this
-        rank's partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
+    def _write_tensor(self, tensor, pieces):
+        """Write a module's parameter or buffer from the pieces of its flattened values: at ZeRO 3 this rank's
+        partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
         if hasattr(tensor, "ds_tensor"):
             start, length, _ = self._zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
-            tensor.ds_tensor.data.view(-1)[:length] = read(start, length)
+            tensor.ds_tensor.data.view(-1)[:length] = self._read(pieces, start, length)
             if tensor.ds_status == ZeroParamStatus.AVAILABLE:
-                tensor.data.view(-1)[:] = read(0, tensor.ds_numel)
+                tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.ds_numel)
         else:
-            tensor.data.view(-1)[:] = read(0, tensor.numel())
+            tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.numel())
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's
@@ -1092,10 +1051,8 @@ class DeepspeedStrategy:
         try:  # memory-mapped where the format allows: a tensor is read only where it is used
             state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipfile.is_zipfile(path))
         except pickle.UnpicklingError as error:
-            raise ValueError(
-                f"refusing to load {path}: it holds Python objects besides tensors, and unpickling "
-                f"them could run code; load a state dict (save_model writes one).\n{error}"
-            ) from None
+            why = "it holds Python objects besides tensors, and unpickling them could run code: load a state dict"
+            raise ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}") from None
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
         self._load_state_dict(model, state_dict, strict, source=path)
@@ -1106,30 +1063,28 @@ class DeepspeedStrategy:
         module = self._unwrap_model(model)
         expected = list(module.state_dict())  # at ZeRO 3 too: partitioned parameters appear with empty shards
         if not set(state_dict) & set(expected):
-            raise ValueError(
-                f"none of the {len(state_dict)} keys in {source} is a key of the model: the file has "
-                f"{sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)"
-            )
-        if self._is_zero3(model):
+            keys = f"the file has {sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)"
+            raise ValueError(f"none of the {len(state_dict)} keys in {source} is a key of the model: {keys}")
+        if self._is_zero3(model):  # module.load_state_dict would write into the empty shards: write each partition
             tensors = dict(module.named_parameters(remove_duplicate=False))
             tensors.update(module.named_buffers(remove_duplicate=False))
             missing = [key for key in expected if key not in state_dict]
             unexpected = [key for key in state_dict if key not in tensors]
-            for key in (key for key in state_dict if key in tensors):
-                shape = tuple(getattr(tensors[key], "ds_shape", tensors[key].shape))
-                if tuple(state_dict[key].shape) != shape:
-                    raise RuntimeError(f"{source}: {key} has shape {tuple(state_dict[key].shape)}, the model {shape}")
             if strict and (missing or unexpected):
                 raise RuntimeError(f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-            for key in (key for key in state_dict if key in tensors):
-                value = state_dict[key].reshape(-1)
-                self._write_tensor(tensors[key], lambda start, length, value=value: value[start : start + length])
+            for key, value in state_dict.items():
+                if key not in tensors:
+                    continue
+                shape = tuple(getattr(tensors[key], "ds_shape", tensors[key].shape))
+                if tuple(value.shape) != shape:
+                    raise RuntimeError(f"{source}: {key} has shape {tuple(value.shape)}, the model's {shape}")
+                self._write_tensor(tensors[key], [(0, value.reshape(-1))])
         else:
             result = module.load_state_dict(state_dict, strict=strict)
             missing, unexpected = result.missing_keys, result.unexpected_keys
         if missing or unexpected:
-            self.print(f"loaded {source} with {len(missing)} missing keys {missing[:5]} and "
-                       f"{len(unexpected)} unexpected keys {unexpected[:5]}")  # fmt: skip
+            counts = f"{len(missing)} missing keys {missing[:5]} and {len(unexpected)} unexpected keys {unexpected[:5]}"
+            self.print(f"loaded {source} with {counts}")
         optimizer = getattr(self._engine(model), "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
@@ -1142,7 +1097,8 @@ class DeepspeedStrategy:
     @torch.no_grad()
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
         """OpenRLHF PPO's exponential moving average: on every accumulated_gradient-th call (once per optimizer
-        step) each trainable weight of model_ema becomes beta * itself + (1 - beta) * model's, computed on device.
+        step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta) * that
+        counterpart, computed on device.
         All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
         self._ema_calls += 1
         if self._ema_calls % self.accumulated_gradient:
@@ -1202,10 +1158,9 @@ def _free_port() -> int:
 
 def _get_rng_states() -> dict:
     # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if numpy is not None:
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        states["numpy"] = (kind, keys.tolist(), pos, has_gauss, cached)
+    kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+    numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
+    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if get_accelerator().device_name() != "cpu":
         states["device"] = get_accelerator().get_rng_state()
     return states
@@ -1214,7 +1169,7 @@ def _get_rng_states() -> dict:
 def _set_rng_states(states: dict) -> None:
     random.setstate(states["python"])
     torch.set_rng_state(states["torch"])
-    if numpy is not None and "numpy" in states:
+    if "numpy" in states:
         kind, keys, pos, has_gauss, cached = states["numpy"]
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
     if "device" in states:

@@ -98,7 +98,12 @@ def parse_args(argv=None):
     group.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decay ends at peak * this")
     group.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on weight matrices")
     group.add_argument("--eval_steps", type=int, default=100, help="evaluate on held-out data every this many steps")
-    group.add_argument("--eval_batches", type=int, default=20, help="held-out micro-batches per rank in one evaluation")
+    group.add_argument(
+        "--eval_batches",
+        type=int,
+        default=20,
+        help="held-out micro-batches in one evaluation: the same sequences on any number of ranks, shared out",
+    )
     group.add_argument("--logging_steps", type=int, default=50, help="print a log line every this many steps")
     group.add_argument(
         "--verbose", action="store_true", help="keep DeepSpeed's own log lines (INFO, every rank) for debugging"
@@ -200,7 +205,7 @@ def check_args(args, parser):
             f"sequences, fewer than one step's --train_batch_size {args.train_batch_size} "
             f"(try {' or '.join(f for f in fixes if f)}, or a smaller --train_batch_size)"
         )
-    needed = args.eval_batches * args.micro_train_batch_size * world_size
+    needed = args.eval_batches * args.micro_train_batch_size
     if (val_bytes - 1) // args.block_size < needed:
         return (
             f"--eval_batches {args.eval_batches} needs {needed} held-out sequences of --block_size {args.block_size} "
@@ -379,12 +384,25 @@ def micro_batches(loader, strategy, start_step, steps_per_epoch):
 
 
 @torch.no_grad()
-def evaluate(engine, loader, strategy, batches, device) -> float:
-    """Mean held-out loss over the first `batches` micro-batches of every rank's shard."""
+def evaluate(engine, val_set, strategy, sequences, device) -> float:
+    """Mean held-out loss over the first `sequences` held-out sequences, the same whatever the number of ranks:
+    rank r takes sequences r, r + world_size, ..., and the ranks add up their sums of losses and counts. Every rank
+    runs as many forward passes (at ZeRO 3 each one gathers weights from all ranks), so a rank with fewer
+    sequences pads its last micro-batch with sequences that count for nothing."""
+    micro, world_size = strategy.micro_train_batch_size, strategy.world_size
+    mine = list(range(strategy.get_rank(), sequences, world_size))
+    passes = math.ceil(math.ceil(sequences / world_size) / micro)
+    totals = torch.zeros(2, device=device)  # the sum of per-sequence losses and their count, on the device
     engine.eval()
-    losses = [byte_loss(engine, x.to(device), y.to(device)).item() for x, y in itertools.islice(loader, batches)]
+    for i in range(passes):
+        batch = mine[i * micro : (i + 1) * micro]
+        counts = torch.tensor([1.0] * len(batch) + [0.0] * (micro - len(batch)), device=device)
+        x, y = (torch.stack(t).to(device) for t in zip(*[val_set[j] for j in batch + [0] * (micro - len(batch))]))
+        per_byte = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten(), reduction="none")
+        totals += torch.stack([(per_byte.view(micro, -1).mean(1) * counts).sum(), counts.sum()])
     engine.train()
-    return strategy.all_reduce(sum(losses) / len(losses))
+    totals = strategy.all_reduce(totals, "sum")
+    return (totals[0] / totals[1]).item()
 
 
 @torch.no_grad()
@@ -436,11 +454,11 @@ def main(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args))
     engine, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
     if time.perf_counter() - set_up_from > 10:  # measured: 2.1 s with DeepSpeed's ops in the cache
-        strategy.print(f"set-up took {time.perf_counter() - set_up_from:.0f} s: on a machine's first run DeepSpeed "
-                       "compiles its ops (up to a minute each) and caches them for later runs")  # fmt: skip
+        seconds = time.perf_counter() - set_up_from
+        why = "on a machine's first run DeepSpeed compiles its ops (up to a minute each) and caches them for later runs"
+        strategy.print(f"set-up took {seconds:.0f} s: {why}")
 
     train_loader = strategy.setup_dataloader(train_set, args.micro_train_batch_size)
-    val_loader = strategy.setup_dataloader(val_set, args.micro_train_batch_size, shuffle=False)
 
     start_step = 0
     # Start afresh only where nothing was ever completed: anything else resumes, or stops with the reason.
@@ -474,7 +492,7 @@ def main(args):
             tqdm.write(message)  # prints above the progress bar instead of through it
 
     def held_out_loss(step):
-        loss = evaluate(engine, val_loader, strategy, args.eval_batches, device)
+        loss = evaluate(engine, val_set, strategy, args.eval_batches * args.micro_train_batch_size, device)
         log(f"step {step:5d} | held-out loss {loss:.6f}")
         return loss
 
@@ -488,20 +506,22 @@ def main(args):
     )
     started = time.perf_counter()
     for step in range(start_step + 1, last_step + 1):
-        step_loss = 0.0
+        # The loss stays on the device: reading a number on the host (.item(), a print) waits for the device to
+        # finish its queued work. Outside logging a step reads one number, preemption_signal's.
+        step_loss = torch.zeros((), device=device)
         for _ in range(strategy.accumulated_gradient):
             x, y = next(batches)
             loss = byte_loss(engine, x.to(device), y.to(device))
             strategy.backward(loss, engine, optimizer)
             strategy.optimizer_step(optimizer, engine, scheduler)  # steps the optimizer on the last micro-batch
-            step_loss += loss.item() / strategy.accumulated_gradient
-        step_loss = strategy.all_reduce(step_loss)  # the mean over ranks, so every rank holds the same number
-        tokens_per_s = (step - start_step) * tokens_per_step / (time.perf_counter() - started)
-        lr = scheduler.get_last_lr()[0]
+            step_loss += loss.detach() / strategy.accumulated_gradient
         bar.update()
-        bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
         if step % args.logging_steps == 0:
-            log(f"step {step:5d} | train loss {step_loss:.6f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s")
+            mean_loss = strategy.all_reduce(step_loss).item()  # the mean over ranks: every rank holds the same number
+            tokens_per_s = (step - start_step) * tokens_per_step / (time.perf_counter() - started)
+            lr = scheduler.get_last_lr()[0]
+            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+            log(f"step {step:5d} | train loss {mean_loss:.6f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s")
         if step % args.eval_steps == 0 and step < args.max_steps:
             held_out_loss(step)
         saves = (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step

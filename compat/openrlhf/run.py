@@ -167,7 +167,14 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
     # others' learning rate its loss stays near log 2 for these 12 steps, so it gets a larger one.
     flags += {
         "sft": ["--output_key", "output"],
-        "rm": ["--prompt_key", "prompt", "--eval_dataset", os.path.join(work, "pairs.jsonl"), "--learning_rate", "2e-2"],
+        "rm": [
+            "--prompt_key",
+            "prompt",
+            "--eval_dataset",
+            os.path.join(work, "pairs.jsonl"),
+            "--learning_rate",
+            "2e-2",
+        ],
         "dpo": ["--prompt_key", "prompt"],
     }[pipeline]
     if resume:
@@ -183,7 +190,9 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
     with open(os.path.join(work, f"{name}.log"), "w") as f:
         f.write(done.stdout)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}")
+        raise RuntimeError(
+            f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}"
+        )
     return time.perf_counter() - started, done.stdout
 
 
@@ -253,13 +262,19 @@ def check_reshape(work, site, pretrain):
     assert f"consumed_samples: {RESUME_AT * TRAIN_BATCH}" in output, "the resumed run did not load"
     zero2 = saved_weights(os.path.join(work, "sft_2", "final"))
     distance = lambda other: max((zero2[k].float() - other[k].float()).abs().max().item() for k in zero2)  # noqa: E731
-    return distance(saved_weights(os.path.join(resumed, "final"))), distance(saved_weights(os.path.join(work, "sft_3", "final")))
+    return distance(saved_weights(os.path.join(resumed, "final"))), distance(
+        saved_weights(os.path.join(work, "sft_3", "final"))
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="/tmp/openrlhf-compat", help="scratch folder, emptied first")
-    parser.add_argument("--only", nargs="*", help="runs to do, such as sft_2 rm_3 (default: all six, and sft_2to3, which needs sft_2 and sft_3)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="runs to do, such as sft_2 rm_3 (default: all six, and sft_2to3, which needs sft_2 and sft_3)",
+    )
     args = parser.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
@@ -267,7 +282,9 @@ def main():
     sys.path[:0] = [site, REPO]
     pretrain = fixtures(args.work)
     runs = [(p, s) for p in ("sft", "rm", "dpo") for s in (2, 3) if not args.only or f"{p}_{s}" in args.only]
-    print("| pipeline | ZeRO | optimizer steps | loss, first 2 steps | loss, last 2 steps | resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |")
+    print(
+        "| pipeline | ZeRO | optimizer steps | loss, first 2 steps | loss, last 2 steps | resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     failed = False
     for pipeline, stage in runs:
@@ -288,8 +305,10 @@ def main():
         try:
             resumed, uninterrupted = check_reshape(args.work, site, pretrain)
             ok = resumed <= max(uninterrupted, 1e-6) * 2
-            print(f"\nsft, ZeRO 2 checkpoint at step {RESUME_AT} resumed at ZeRO 3: final weights {resumed:.1e} from the "
-                  f"ZeRO 2 run's (the uninterrupted ZeRO 3 run: {uninterrupted:.1e})" + ("" if ok else " <- FAILED"))
+            print(
+                f"\nsft, ZeRO 2 checkpoint at step {RESUME_AT} resumed at ZeRO 3: final weights {resumed:.1e} from the "
+                f"ZeRO 2 run's (the uninterrupted ZeRO 3 run: {uninterrupted:.1e})" + ("" if ok else " <- FAILED")
+            )
             failed |= not ok
         except Exception as error:
             print(f"sft_2to3 FAILED: {str(error).splitlines()[0]}")

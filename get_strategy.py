@@ -96,6 +96,10 @@ LEFT_OUT = {
 }
 
 
+# -------------------------------------------------------------------------------------------------------------
+# The entry point: a training script calls get_strategy(args) once, then the strategy's methods below.
+
+
 def get_strategy(args) -> "DeepspeedStrategy":
     """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
     place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
@@ -984,6 +988,9 @@ class DeepspeedStrategy:
                 tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.ds_numel)
         else:
             tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.numel())
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Model weights: save_model writes the full weights for use outside training, load_model reads them back
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's

@@ -1,7 +1,8 @@
 """A DeepSpeed training strategy in one file: seeding, distributed set-up, the ds_config for ZeRO 0-3, the
 training step, collectives, data loading and checkpoints that resume in any run shape.
 
-It imports only the standard library, torch and deepspeed, so you can copy it into your own trainer. Its methods
+It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
+into your own trainer. Its methods
 follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with their import lines changed (README,
 "OpenRLHF"). This file's own release is __version__, below: a vendored copy keeps saying which one it is, and
 diffing it against a newer release's get_strategy.py shows what changed.
@@ -60,8 +61,8 @@ from torch.utils.data import DataLoader
 __version__ = "0.15.0"
 
 # -------------------------------------------------------------------------------------------------------------
-# Defaults. get_strategy() reads each flag once, falling back to these; the constructor uses the same constants,
-# so every default is written here and nowhere else.
+# Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same
+# constants, so every flag's default is written here and nowhere else.
 SEED = 42  # seeds Python's random, NumPy and torch; the same on every rank
 FULL_DETERMINISM = False  # True: only deterministic kernels, so a rerun is identical to the bit (slower)
 MAX_NORM = 1.0  # clip the global L2 norm of the gradients to this before each step; 0 turns clipping off
@@ -381,7 +382,7 @@ class DeepspeedStrategy:
         DeepSpeedCPUAdam (compiled on first use); on CUDA torch's fused AdamW; elsewhere torch's AdamW."""
         weight_decay = kwargs.pop("weight_decay", 0.0)
         params = [p for p in self._unwrap_model(model).parameters() if p.requires_grad]
-        # Dimensions of the full shape: a ZeRO 3 parameter's own shape is its shard's, (0,).
+        # Dimensions of the full shape: between uses a ZeRO 3 parameter's own shape is (0,), its full one ds_shape.
         decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
         no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -528,8 +529,12 @@ class DeepspeedStrategy:
         small all-reduce); on a signal, save a checkpoint and exit with 128 + it, as train_example.py does."""
         if self._stop_signal is None:
             self._stop_signal = 0
+
+            def remember(signum, frame):  # a handler only notes the signal; the training loop decides what to do
+                self._stop_signal = signum
+
             for signum in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(signum, lambda signum, frame: setattr(self, "_stop_signal", signum))
+                signal.signal(signum, remember)
         return self.all_reduce(self._stop_signal, "max")
 
     def setup_dataloader(
@@ -648,10 +653,11 @@ class DeepspeedStrategy:
     ):
         """Load a checkpoint written by save_ckpt into a prepared engine and restore this rank's random generators;
         returns (load_path, client_state). Any run shape resumes: another number of ranks, ZeRO stage, dtype or
-        adam_offload. Every file is checked first (sizes and CRCs, the work spread over the ranks). With tag None
-        it loads latest's checkpoint, or if that fails the newest one that passes, and says so; a named tag that
-        fails, or a checkpoint of another model, raises on every rank before anything loads. load_module_only=True
-        loads the weights alone.
+        adam_offload. First every file is checked: its size on every node, and the CRCs of every .pt file, the work
+        spread over the ranks. With tag None it loads latest's checkpoint, or if that fails the newest one that
+        passes, and says so; a named tag that fails raises on every rank before anything loads, and so does a
+        checkpoint of another model while load_module_strict holds. load_module_only=True loads the weights (and
+        the random generators) alone, through the reader for other shapes whatever the shape.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
@@ -767,7 +773,8 @@ class DeepspeedStrategy:
                             record += 1
                             if record % world_size != rank:
                                 continue  # another rank's share
-                            # A record's bytes follow its 30-byte local header, its name and an extra field.
+                            # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
+                            # lengths of the name and the extra field that come next.
                             name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
                             start = info.header_offset + 30 + name_length + extra_length
                             crc = zlib.crc32(view[start : start + info.compress_size])
@@ -827,9 +834,13 @@ class DeepspeedStrategy:
                 destination = master if key == "value" else base.state[master][key]
                 destination.view(-1)[offset : offset + length] = self._read(pieces.get((name, key), []), start, length)
             if optimizer_states:
-                # torch's optimizers count steps in a 0-d float tensor, DeepSpeedCPUAdam and FusedAdam in an int.
-                torch_own = type(base).__module__.startswith("torch.")
-                base.state[master]["step"] = torch.tensor(float(step)) if torch_own else step
+                # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
+                # capturable), DeepSpeedCPUAdam and FusedAdam in an int.
+                count = step
+                if type(base).__module__.startswith("torch."):
+                    on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+                    count = torch.tensor(float(step), device=master.device if on_device else "cpu")
+                base.state[master]["step"] = count
         if optimizer_states:
             for group, saved in zip(optimizer.param_groups, groups, strict=True):
                 # The hyperparameters (lr, betas, weight decay...), not the switches of how a step is computed.
@@ -855,8 +866,8 @@ class DeepspeedStrategy:
         engine.global_steps = states["global_steps"]
         engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
         engine.skipped_steps = states["skipped_steps"]
-        deepspeeds = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
-        for key in deepspeeds + ["mp_world_size", "data_sampler", "random_ltd"]:
+        deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
+        for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
             states.pop(key, None)
 
     def _saved_pieces(self, ckpt_dir, done):
@@ -888,7 +899,8 @@ class DeepspeedStrategy:
         model_states = load(self._model_states_file(stage))
         module = model_states["module"]
         trainable = {name for names in done["groups"] for name in names}
-        for name in done["tensors"]:  # frozen tensors lie whole in rank 0's model file, but ZeRO 3's parameters
+        # Frozen parameters and buffers lie whole in rank 0's model file, except ZeRO 3's frozen parameters (below).
+        for name in done["tensors"]:
             if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):
                 add(name, 0, {"value": module[name]})
         if stage == 0:
@@ -1108,7 +1120,7 @@ class DeepspeedStrategy:
         counterpart, computed on device.
         All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
         self._ema_calls += 1
-        if self._ema_calls % self.accumulated_gradient:
+        if self._ema_calls % self.accumulated_gradient != 0:
             return
         pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
         for param, ema in pairs:
@@ -1135,6 +1147,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.epoch_was_set = True
 
     def __iter__(self):
+        # A trainer that calls set_epoch before each pass gets that epoch; one that never does gets the next
+        # epoch on every pass after the first, so its order still changes.
         if not self.epoch_was_set:
             self.set_epoch(self.epoch + 1)
         self.epoch_was_set = False
@@ -1191,6 +1205,7 @@ def _write_atomically(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(os.path.dirname(path))  # the rename, too, survives a power cut
 
 
 def _folder_bytes(path: str) -> int:

@@ -114,19 +114,20 @@ def lr_lambda(step):
     return 1.0 / (1.0 + step)  # a schedule that changes every step, so a scheduler stepped too often shows
 
 
+def reference_optimizer(decay, no_decay, schedule):
+    """Plain torch AdamW with the two groups create_optimizer makes, and a LambdaLR scheduler."""
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
 def reference_training(steps=STEPS):
     """Plain single-process PyTorch computing the same global batches: returns final parameters and the
     gradient norms before clipping."""
     model = make_model()
     decay = [model[0].weight, model[4].weight]  # named by hand: the matrices
     no_decay = [model[0].bias, model[1].weight, model[1].bias, model[4].bias]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    optimizer, scheduler = reference_optimizer(decay, no_decay, lr_lambda)
     x, y = make_dataset().tensors
     norms = []
     for step in range(steps):
@@ -1042,15 +1043,9 @@ def reshape_reference(steps=4, reset_at=None, reset=(), start=None):
     that part of Adam's state after reset_at steps: what a resume that failed to carry it would compute. start
     (the state after 2 steps: tensors, exp_avg and exp_avg_sq by name) begins at step 3 from it instead."""
     model = ReshapeModel()
-    decay = [model.first.weight, model.mix_a.weight, model.out.weight]
+    decay = [model.first.weight, model.mix_a.weight, model.out.weight]  # named by hand: the matrices
     no_decay = [model.first.bias, model.norm.weight, model.norm.bias, model.out.bias]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    optimizer, scheduler = reference_optimizer(decay, no_decay, warmup)
     x, y = make_dataset().tensors
     if start is not None:
         model.load_state_dict(start["tensors"])
@@ -1096,13 +1091,7 @@ def reshape_engine(strategy, init_seed):
 
 def reshape_train(strategy, engine, optimizer, scheduler, steps, consumed_samples=0):
     loader = strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False, consumed_samples=consumed_samples)
-    batches = iter(loader)
-    for _ in range(steps * strategy.accumulated_gradient):
-        x, y = next(batches)
-        dtype = next(engine.module.parameters()).dtype
-        loss = F.mse_loss(engine(x.to(dtype)).float(), y)
-        strategy.backward(loss, engine, optimizer)
-        strategy.optimizer_step(optimizer, engine, scheduler)
+    train(strategy, engine, optimizer, scheduler, loader, steps)
 
 
 def full_state(engine):

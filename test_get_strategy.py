@@ -487,6 +487,48 @@ def test_local_rank_comes_from_an_mpi_launchers_variables(clean_launch_env, monk
     assert strategy.local_rank == 1
 
 
+def test_every_file_of_a_checkpoint_is_made_durable_by_exactly_one_rank():
+    """Each rank fsyncs the files it wrote; a file nobody claimed would not survive a power cut."""
+    strategy = DeepspeedStrategy(zero_stage=3)
+    for world_size in (1, 2, 3):
+        names = ["mp_rank_00_model_states.pt", "zero_to_fp32.py"]
+        for rank in range(world_size):
+            names += [f"rng_state_rank{rank}.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"]
+            names += [f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+        for name in names:
+            claimed = [rank for rank in range(world_size) if strategy._written_by(name, rank)]
+            assert len(claimed) == 1, (world_size, name, claimed)
+
+
+def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
+    """A bit flipped in any one record of two files is found by exactly one rank, whatever the world size."""
+    strategy = DeepspeedStrategy(zero_stage=3)
+    for name in ("a.pt", "b.pt"):
+        torch.save({f"t{i}": torch.randn(64 + i) for i in range(5)}, tmp_path / name)
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "b.pt") as archive:
+        records = [info for info in archive.infolist() if "/data/" in info.filename]
+    for record in records:
+        damaged = tmp_path / "damaged"
+        damaged.mkdir(exist_ok=True)
+        for name in ("a.pt", "b.pt"):
+            (damaged / name).write_bytes((tmp_path / name).read_bytes())
+        with open(damaged / "b.pt", "r+b") as f:
+            f.seek(record.header_offset + 26)
+            name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
+            f.seek(record.header_offset + 30 + name_length + extra_length)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 1]))
+        for world_size in (1, 2, 3, 7):
+            found = [
+                strategy._damaged_records(str(damaged), ["a.pt", "b.pt"], r, world_size) for r in range(world_size)
+            ]
+            assert sum(f is not None for f in found) == 1, (record.filename, world_size, found)
+            assert "b.pt is damaged (Bad CRC-32" in next(f for f in found if f)
+
+
 def test_marker_files_written_at_once_by_processes_with_equal_pids_all_land(tmp_path):
     """Containers on different nodes often share pids; threads of one process share one for certain."""
     import threading

@@ -733,9 +733,11 @@ class DeepspeedStrategy:
             except (OSError, ValueError):
                 continue
         if done is None:
-            why = f"checkpoint {os.path.join(load_dir, tag)} is missing or incomplete as {socket.gethostname()} sees it"
-            why += f" (no {DONE_FILE}): the run stopped while saving it, or this node cannot see the folder (it must be"
-            problem = (FileNotFoundError, why + " on a filesystem every node shares); load an earlier tag")
+            path = os.path.join(load_dir, tag)
+            what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
+            causes = "the run stopped while saving it, or this node cannot see the folder"
+            fix = "checkpoints need a filesystem every node shares; load an earlier tag"
+            problem = (FileNotFoundError, f"{what}: {causes} ({fix})")
         else:
             for key, value in (("zero_stage", self.stage), ("bf16", self.bf16), ("adam_offload", self.adam_offload)):
                 done.setdefault(key, value)  # what older releases did not record: take it to be this run's

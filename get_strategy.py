@@ -825,7 +825,8 @@ class DeepspeedStrategy:
         optimizer_states, Adam's moments, step and each group's hyperparameters; frozen parameters and buffers;
         this rank's 16-bit weights, except at ZeRO 1 and 2, where update_lp_params() must follow on every rank.
         Returns (the saved model-states file, the dict it holds)."""
-        pieces, groups, step, model_states = self._saved_pieces(ckpt_dir, done)
+        trainable = {name for names in done["groups"] for name in names}
+        pieces, groups, step, model_states = self._saved_pieces(ckpt_dir, done, trainable)
         optimizer = engine.optimizer
         base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer
         for name, start, length, master, offset in self._owned_slices(engine):
@@ -849,7 +850,6 @@ class DeepspeedStrategy:
                 switches = {"params", "foreach", "fused", "capturable", "differentiable"}
                 for key in (set(group) & set(saved)) - switches:
                     group[key] = saved[key]
-        trainable = {name for names in done["groups"] for name in names}
         tensors = dict(engine.module.named_parameters())
         tensors.update((name, b) for name, b in engine.module.named_buffers() if name in done["tensors"])
         for name, tensor in tensors.items():  # ZeRO 1 and 2 gather their 16-bit weights in update_lp_params
@@ -872,8 +872,9 @@ class DeepspeedStrategy:
         for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
             states.pop(key, None)
 
-    def _saved_pieces(self, ckpt_dir, done):
-        """(pieces, the saved optimizer's param groups, Adam's step, the model-states dict) of a checkpoint. Where
+    def _saved_pieces(self, ckpt_dir, done, trainable):
+        """(pieces, the saved optimizer's param groups, Adam's step, the model-states dict) of a checkpoint whose
+        trainable parameters are named in trainable (the rest are frozen parameters and buffers). Where
         DeepSpeed puts each tensor depends on the ZeRO stage that saved it:
         - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
           (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
@@ -900,7 +901,6 @@ class DeepspeedStrategy:
 
         model_states = load(self._model_states_file(stage))
         module = model_states["module"]
-        trainable = {name for names in done["groups"] for name in names}
         # Frozen parameters and buffers lie whole in rank 0's model file, except ZeRO 3's frozen parameters (below).
         for name in done["tensors"]:
             if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):

@@ -514,13 +514,7 @@ def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
         damaged.mkdir(exist_ok=True)
         for name in ("a.pt", "b.pt"):
             (damaged / name).write_bytes((tmp_path / name).read_bytes())
-        with open(damaged / "b.pt", "r+b") as f:
-            f.seek(record.header_offset + 26)
-            name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
-            f.seek(record.header_offset + 30 + name_length + extra_length)
-            byte = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte ^ 1]))
+        flip_a_bit_in_the_largest_tensor(damaged / "b.pt", record)
         for world_size in (1, 2, 3, 7):
             found = [
                 strategy._damaged_records(str(damaged), ["a.pt", "b.pt"], r, world_size) for r in range(world_size)
@@ -2236,12 +2230,14 @@ def worker_damaged(results, rank, out_dir):
     results["damaged"] = got
 
 
-def flip_a_bit_in_the_largest_tensor(path):
-    """Flip one bit in the middle of the largest record of a torch.save zip archive (a tensor's bytes)."""
+def flip_a_bit_in_the_largest_tensor(path, info=None):
+    """Flip one bit in the middle of the largest record of a torch.save zip archive (a tensor's bytes), or of the
+    record `info` (a zipfile.ZipInfo) when given."""
     import zipfile
 
-    with zipfile.ZipFile(path) as archive:
-        info = max(archive.infolist(), key=lambda i: i.file_size)
+    if info is None:
+        with zipfile.ZipFile(path) as archive:
+            info = max(archive.infolist(), key=lambda i: i.file_size)
     with open(path, "r+b") as f:
         f.seek(info.header_offset + 26)
         name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))

@@ -352,9 +352,12 @@ def model_from_args(args) -> ByteGPT:
     return ByteGPT(args.n_layer, args.n_head, args.n_embd, args.block_size, args.dropout)
 
 
-def byte_loss(model, x, y) -> torch.Tensor:
-    """Mean cross-entropy in nats per byte, computed in fp32 also when the model runs in bf16."""
-    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+def byte_loss(model, x, y, per_sequence=False) -> torch.Tensor:
+    """Mean cross-entropy in nats per byte, computed in fp32 also when the model runs in bf16; with per_sequence,
+    one mean per sequence of the batch."""
+    if not per_sequence:
+        return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1).mean(1)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -398,8 +401,7 @@ def evaluate(engine, val_set, strategy, sequences, device) -> float:
         batch = mine[i * micro : (i + 1) * micro]
         counts = torch.tensor([1.0] * len(batch) + [0.0] * (micro - len(batch)), device=device)
         x, y = (torch.stack(t).to(device) for t in zip(*[val_set[j] for j in batch + [0] * (micro - len(batch))]))
-        per_byte = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten(), reduction="none")
-        totals += torch.stack([(per_byte.view(micro, -1).mean(1) * counts).sum(), counts.sum()])
+        totals += torch.stack([(byte_loss(engine, x, y, per_sequence=True) * counts).sum(), counts.sum()])
     engine.train()
     totals = strategy.all_reduce(totals, "sum")
     return (totals[0] / totals[1]).item()

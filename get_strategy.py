@@ -34,7 +34,6 @@ weights, gathering each layer's full weights just while the layer runs.
 """
 
 import gc
-import itertools
 import json
 import math
 import mmap
@@ -55,10 +54,8 @@ import numpy  # DeepSpeed requires it, so vendoring this file adds nothing to in
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from torch.utils.data import DataLoader
 
-__version__ = "0.15.0"
+__version__ = "0.16.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same
@@ -119,6 +116,25 @@ def get_strategy(args) -> "DeepspeedStrategy":
     names += ["adam_offload", "overlap_comm", "grad_accum_dtype", "local_rank"]
     flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return DeepspeedStrategy(zero_stage=args.zero_stage, args=args, **flags)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Small helpers of the constructor's checks and the set-up
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _first_variable(names):
+    """The value of the first of these environment variables that is set, else None."""
+    return next((os.environ[name] for name in names if name in os.environ), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class DeepspeedStrategy:
@@ -211,20 +227,17 @@ class DeepspeedStrategy:
         if self.local_rank != -1:  # the deepspeed launcher passes --local_rank; it wins over the environment
             os.environ["LOCAL_RANK"] = str(self.local_rank)
         if not dist.is_initialized():
-            # Check the batch sizes against the launcher's world size before the rendezvous: a rank that raised
-            # inside it would leave the others waiting for the whole timeout.
-            launched = _first_variable(WORLD_SIZE_VARS)
-            if launched is not None:
-                self._set_world_size(int(launched))
+            # Check the batch sizes against the world size the launcher (or the lines above) set, before the
+            # rendezvous: a rank that raised inside it would leave the others waiting for the whole timeout.
+            self._set_world_size(int(_first_variable(WORLD_SIZE_VARS)))
             self._join_process_group(timeout)
         self._set_world_size(dist.get_world_size())
-        # Only now is the local rank known under every launcher (MPI's is found while joining). It picks this
-        # rank's device and each node's first rank, which checks a checkpoint's files on that node.
+        # Only now is the local rank known under every launcher (MPI's is found while joining): it picks this
+        # rank's device.
         self.local_rank = int(_first_variable(LOCAL_RANK_VARS) or 0)
         get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
 
-    @staticmethod
-    def _use_deterministic_kernels() -> None:
+    def _use_deterministic_kernels(self) -> None:
         # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable. It is
         # read when the first cuBLAS handle is made, which is why this runs before any CUDA work.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -234,16 +247,14 @@ class DeepspeedStrategy:
         torch.backends.cudnn.deterministic = True  # only deterministic convolution algorithms
         torch.backends.cudnn.benchmark = False  # no timing-based choice of algorithm, which varies run to run
 
-    @staticmethod
-    def _describe_a_one_process_world() -> None:
+    def _describe_a_one_process_world(self) -> None:
         # Launchers export the rendezvous variables. Without one (plain python), describe a world of one process
         # ourselves, or deepspeed.init_distributed() goes looking for MPI.
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(name, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
-    @staticmethod
-    def _join_process_group(timeout: timedelta) -> None:
+    def _join_process_group(self, timeout: timedelta) -> None:
         """Join the process group: nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory
         all-reduce for the ranks of one host. Under mpirun this is where DeepSpeed finds the ranks and sets
         LOCAL_RANK. A taken port or a missing rank becomes an error that says how to fix it."""
@@ -268,15 +279,14 @@ class DeepspeedStrategy:
             raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): {fix}") from error
 
     def _set_world_size(self, world_size: int) -> None:
+        """Check the batch sizes against world_size, then keep it and the accumulation steps they give."""
         samples_per_micro_step = self.micro_train_batch_size * world_size
         if self.train_batch_size % samples_per_micro_step:
             lower = self.train_batch_size // samples_per_micro_step * samples_per_micro_step
             options = " or ".join(str(n) for n in (lower, lower + samples_per_micro_step) if n > 0)
-            raise ValueError(
-                f"--train_batch_size {self.train_batch_size} must be a multiple of --micro_train_batch_size * "
-                f"world_size = {self.micro_train_batch_size} * {world_size} = {samples_per_micro_step} "
-                f"(try {options})"
-            )
+            product = f"{self.micro_train_batch_size} * {world_size} = {samples_per_micro_step}"
+            why = f"must be a multiple of --micro_train_batch_size * world_size = {product}"
+            raise ValueError(f"--train_batch_size {self.train_batch_size} {why} (try {options})")
         self.world_size = world_size
         self.accumulated_gradient = self.train_batch_size // samples_per_micro_step
 
@@ -320,8 +330,8 @@ class DeepspeedStrategy:
 
     def _ds_config(self, zero: dict) -> dict:
         """What the train and eval configs share, around their zero_optimization section."""
-        # ZeRO 3: lets DeepSpeed's own engine.save_16bit_model() gather the full weights. save_model() below gathers
-        # them itself, but a trainer may call DeepSpeed's method.
+        # Read at ZeRO 3 only: lets DeepSpeed's own engine.save_16bit_model() gather the full weights. save_model()
+        # below gathers them itself, but a trainer may call DeepSpeed's method.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         return {
             "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
@@ -340,37 +350,28 @@ class DeepspeedStrategy:
     # module that keeps the model it trains in its `model` attribute. prepare() then puts the engine there
     # (actor.model = engine) and returns the Actor, and every method below reaches the engine through it.
 
+    def _engine(self, model):
+        """What an Actor wraps (its engine, or before prepare() its model); anything else as it is. An Actor has a
+        `.model` module, no parameters of its own and no save_pretrained. A Hugging Face model's `.model` is its
+        backbone instead, and the model itself has save_pretrained."""
+        # An engine forwards unknown attributes, `.model` too, to its module: ask only what is not an engine.
+        inner = None if isinstance(model, deepspeed.DeepSpeedEngine) else getattr(model, "model", None)
+        if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
+            return model
+        own = {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
+        return model if own else inner
+
     def _unwrap_model(self, model) -> torch.nn.Module:
         """The plain module inside an engine, an Actor, or both."""
         engine = self._engine(model)
         return engine.module if isinstance(engine, deepspeed.DeepSpeedEngine) else engine
 
-    def _actor_inner(self, model):
-        """The module an Actor wraps, else None. An Actor holds no parameters of its own and has no save_pretrained;
-        a Hugging Face model's `.model` is its backbone, not a wrapper, and the model has save_pretrained."""
-        if isinstance(model, deepspeed.DeepSpeedEngine):  # it forwards unknown attributes, `.model` too, to its module
-            return None
-        inner = getattr(model, "model", None)
-        if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
-            return None
-        own = set(map(id, model.parameters())) - set(map(id, inner.parameters()))
-        return None if own else inner
-
     def _in_actor(self, model, engine):
         """What prepare() returns: an Actor, now holding the engine; otherwise the engine."""
-        if self._actor_inner(model) is None:
+        if self._engine(model) is model:  # not an Actor
             return engine
         model.model = engine
         return model
-
-    def _engine(self, model):
-        """The engine (or module) behind an Actor; anything else as it is."""
-        inner = self._actor_inner(model)
-        return model if inner is None else inner
-
-    def _is_zero3(self, model) -> bool:
-        engine = self._engine(model)
-        return isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_partition_weights()
 
     # ---------------------------------------------------------------------------------------------------------
     # Optimizer, prepare, backward and step
@@ -386,12 +387,10 @@ class DeepspeedStrategy:
         decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
         no_decay = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # DeepSpeed drops an empty group, and a scheduler built on this optimizer would then count one too many.
+        # No empty group: DeepSpeed would drop it, leaving a scheduler built on this optimizer one group too many.
         groups = [group for group in groups if group["params"]]
         if self.adam_offload:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+            return deepspeed.ops.adam.DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
         if get_accelerator().device_name() == "cuda":
             return torch.optim.AdamW(groups, fused=True, **kwargs)
         return torch.optim.AdamW(groups, **kwargs)
@@ -401,8 +400,7 @@ class DeepspeedStrategy:
         (engine, optimizer, scheduler) with the train config, and DeepSpeed steps the scheduler (which may be
         None) once per optimizer step. A bare model becomes an eval engine with the eval config. One argument
         returns one result; several return a list in the same order."""
-        if self.world_size is None:
-            raise RuntimeError("call strategy.setup_distributed() before strategy.prepare()")
+        self._require_process_group("prepare")
         self.is_rlhf = is_rlhf
         prepared = []
         for item in models_or_model_optim_pairs:
@@ -423,9 +421,8 @@ class DeepspeedStrategy:
         # a ZeRO 0 checkpoint keys Adam's state by position alone.
         names = {id(p): name for name, p in self._engine(model).named_parameters()}
         group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        config = self.get_ds_train_config()
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=self._engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=self._engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
         )
         engine.param_group_names = group_names
         return self._in_actor(model, engine), optimizer, scheduler
@@ -438,15 +435,17 @@ class DeepspeedStrategy:
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
         """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients
-        are the mean over the whole batch, and averages the gradients over ranks: at ZeRO 0 and 1 by one
-        all-reduce on the last micro-step of an accumulation; at ZeRO 2 and 3, which keep only their shard of the
-        gradients, on every micro-step, each gradient reduced to the rank that owns its shard (with overlap_comm,
-        bucket by bucket while the backward pass still runs)."""
+        are the mean over the whole batch, and averages the gradients over ranks. At ZeRO 0 by one all-reduce on
+        the last micro-step of an accumulation; at ZeRO 1 on that micro-step too, each gradient reduced only to the
+        rank that owns its shard of the optimizer; at ZeRO 2 and 3, which keep only their shard of the gradients,
+        it happens on every micro-step (with overlap_comm, bucket by bucket while the backward pass still runs)."""
         self._engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
         """One micro-step of the engine: on the last micro-step of an accumulation it clips the gradients to
-        max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it only counts it."""
+        max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it only counts it.
+        The engine holds its optimizer and scheduler: the other arguments are OpenRLHF's signature (as in
+        backward)."""
         self._engine(model).step()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -470,13 +469,12 @@ class DeepspeedStrategy:
         they are. Bools and integers reduce exactly: a sum is an int64 count, a mean float64, a max keeps the dtype."""
         if op not in ("mean", "max", "sum"):
             raise ValueError(f"all_reduce op {op!r} must be 'mean', 'max' or 'sum'")
+        self._require_process_group("all_reduce")
         if isinstance(data, dict):
-            reduced = {key: self.all_reduce(data[key], op) for key in self._keys_in_rank_order(data, "all_reduce")}
-            return {key: reduced[key] for key in data}  # in the caller's order
+            return self._for_each_key(data, "all_reduce", lambda value: self.all_reduce(value, op))
         if not isinstance(data, torch.Tensor):  # a Python bool, int or float: float64 for a float, exact otherwise
             data = torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None)
             return self.all_reduce(data, op).item()
-        self._require_process_group("all_reduce")
         exact = not data.is_floating_point() and not data.is_complex()  # bool or integer
         dtype = torch.int64 if exact else data.dtype
         tensor = data.detach().to(get_accelerator().current_device_name(), dtype, copy=True)
@@ -491,12 +489,12 @@ class DeepspeedStrategy:
         """Gather a tensor, a Python number or a dict of them from all ranks, concatenated along the first
         dimension in rank order (a number or 0-d tensor becomes a tensor of world_size elements). The first
         dimension may differ between ranks; the other dimensions and the dtype may not."""
+        self._require_process_group("all_gather")
         if isinstance(data, dict):
-            gathered = {key: self.all_gather(data[key]) for key in self._keys_in_rank_order(data, "all_gather")}
-            return {key: gathered[key] for key in data}
+            return self._for_each_key(data, "all_gather", self.all_gather)
         if not isinstance(data, torch.Tensor):
             data = torch.tensor([data], dtype=torch.float64 if isinstance(data, float) else None)
-        self._require_process_group("all_gather")
+        # Rows along the first dimension; a 0-d tensor becomes one row.
         local = data.detach().to(get_accelerator().current_device_name()).reshape(-1, *data.shape[1:])
         shapes = [None] * self.world_size
         dist.all_gather_object(shapes, (tuple(local.shape), str(local.dtype)))
@@ -509,15 +507,16 @@ class DeepspeedStrategy:
         dist.all_gather(gathered, padded)
         return torch.cat([rows[: shape[0]] for rows, (shape, _) in zip(gathered, shapes)]).to(data.device)
 
-    def _keys_in_rank_order(self, data: dict, what: str) -> list:
-        """data's keys sorted, once every rank is known to hold the same: otherwise unrelated values would pair."""
-        self._require_process_group(what)
+    def _for_each_key(self, data: dict, what: str, collective) -> dict:
+        """{key: collective(value)} for a dict, in its order. Every rank runs the collectives in sorted key order,
+        once each is known to hold the same keys: otherwise unrelated values would pair."""
         keys = sorted(data, key=repr)
         every_rank = [None] * self.world_size
         dist.all_gather_object(every_rank, [repr(key) for key in keys])
         if any(rank_keys != every_rank[0] for rank_keys in every_rank):
             raise ValueError(f"{what} of a dict needs the same keys on every rank; got per rank: {every_rank}")
-        return keys
+        results = {key: collective(data[key]) for key in keys}
+        return {key: results[key] for key in data}
 
     def _require_process_group(self, what: str) -> None:
         if self.world_size is None or not dist.is_initialized():
@@ -547,7 +546,7 @@ class DeepspeedStrategy:
         drop_last=True,
         sampler=None,
         consumed_samples=0,
-    ) -> DataLoader:
+    ) -> torch.utils.data.DataLoader:
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
         by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
         later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one. The sampler
@@ -559,19 +558,33 @@ class DeepspeedStrategy:
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
         options = {"collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last}  # passed through
-        return DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+        return torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
 
     # ---------------------------------------------------------------------------------------------------------
-    # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape
+    # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape.
+    #
+    # A checkpoint is the folder save_dir/<tag>: DeepSpeed's files, one RNG file per rank, and last the record
+    # checkpoint_complete.json: the run's shape, the model's tensors, the optimizer's groups by name, and every
+    # file's size. DeepSpeed's files: the model states with the module and the counters (mp_rank_00_model_states.pt,
+    # at ZeRO 3 one per rank, zero_pp_rank_<rank>_mp_rank_00_model_states.pt), which at ZeRO 0 hold the optimizer
+    # state too; at ZeRO 1-3 each rank's shard of the optimizer state (*zero_pp_rank_<rank>_*optim_states.pt).
+    # save_ckpt, in order:
+    #   1. every rank writes its files into save_dir/<tag>.saving and makes them durable (fsync);
+    #   2. rank 0 writes the record there, renames an older <tag> to <tag>.replaced, renames <tag>.saving to
+    #      <tag>, and only then points save_dir/latest at it;
+    #   3. rank 0 deletes <tag>.replaced, and the oldest checkpoints over max_num and max_mem (each record first).
+    # A folder without its record is no checkpoint, so a crash or a power cut at any moment leaves a complete one:
+    # the previous, or between the two renames of step 2 the old and the new one under <tag>.replaced and
+    # <tag>.saving, where load_ckpt looks for them. load_ckpt, in order: choose the checkpoint (latest's, else the
+    # newest complete one) and check its files on every rank; refuse another model; load it with DeepSpeed's own
+    # load if the run shape is unchanged, else with the reader of the next section; restore the random generators.
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
-        (your loop's counters) and every rank's random generators. All ranks must call it, and save_dir must be on
-        a filesystem every rank sees. Every rank writes into save_dir/<tag>.saving (default tag global_step<N>) and
-        makes its files durable (fsync); then rank 0 writes checkpoint_complete.json, swaps the folder in as
-        save_dir/<tag>, and only then points save_dir/latest at it, so a crash or a power cut at any moment leaves
-        the previous complete checkpoint loadable. Then the oldest complete checkpoints go until at most max_num
-        and max_mem GB remain (never the new one or latest's)."""
+        (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
+        ranks must call it, and save_dir must be on a filesystem every rank sees. The default tag is
+        global_step<N>. Then the oldest complete checkpoints go until at most max_num and max_mem GiB remain
+        (never the new one or latest's)."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         engine = self._engine(model)
@@ -582,12 +595,12 @@ class DeepspeedStrategy:
             os.makedirs(staging)
         dist.barrier()
         rank = self.get_rank()
-        torch.save(_get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
+        torch.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
         engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state or {}, save_latest=False)
         for name in os.listdir(staging):  # on the disk, not only in the page cache, before rank 0 commits
             if self._written_by(name, rank):
-                _fsync(os.path.join(staging, name))
-        _fsync(staging)
+                self._fsync(os.path.join(staging, name))
+        self._fsync(staging)
         dist.barrier()  # every rank's files are durable
         if self.is_rank_0():  # one writer for every shared file
             self._commit_checkpoint(engine, save_dir, tag, save_latest)
@@ -606,20 +619,23 @@ class DeepspeedStrategy:
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
         # The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
         # ZeRO 0 checkpoint keys Adam's state by position alone), and every file's size.
-        done = {"world_size": self.world_size, "zero_stage": self.stage, "bf16": self.bf16}
-        done["adam_offload"] = self.adam_offload
+        done = self._run_shape()
         done["tensors"] = self._tensor_shapes(engine.module)
         done["groups"] = getattr(engine, "param_group_names", None)
         done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
-        _write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
+        self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
         if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
             shutil.rmtree(folder + REPLACED, ignore_errors=True)
             os.rename(folder, folder + REPLACED)
         os.rename(staging, folder)
-        _fsync(save_dir)  # the rename, too, survives a power cut
+        self._fsync(save_dir)  # the rename, too, survives a power cut
         if save_latest:
-            _write_atomically(os.path.join(save_dir, "latest"), tag)
+            self._write_atomically(os.path.join(save_dir, "latest"), tag)
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
+
+    def _run_shape(self) -> dict:
+        """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all four unchanged."""
+        return dict(world_size=self.world_size, zero_stage=self.stage, bf16=self.bf16, adam_offload=self.adam_offload)
 
     def _tensor_shapes(self, module) -> dict:
         """{name: shape} of a module's parameters (their full shape at ZeRO 3) and of the buffers it saves."""
@@ -629,17 +645,16 @@ class DeepspeedStrategy:
         return shapes
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
-        protected = {keep, _read_latest(save_dir)}
-        ours = _complete_checkpoints(save_dir)
-        sizes = {name: _folder_bytes(os.path.join(save_dir, name)) for name in ours}
+        protected = {keep, self._read_latest(save_dir)}
+        ours = self._complete_checkpoints(save_dir)
+        sizes = {name: self._folder_bytes(os.path.join(save_dir, name)) for name in ours}
         count, total = len(ours), sum(sizes.values())
-        for name in ours:  # oldest first
+        for name in [name for name in ours if name not in protected]:  # oldest first
             if count <= max_num and total <= max_bytes:
                 break
-            if name not in protected:
-                os.remove(os.path.join(save_dir, name, DONE_FILE))  # first: a half-deleted folder is not complete
-                shutil.rmtree(os.path.join(save_dir, name))
-                count, total = count - 1, total - sizes[name]
+            os.remove(os.path.join(save_dir, name, DONE_FILE))  # first: a half-deleted folder is not complete
+            shutil.rmtree(os.path.join(save_dir, name))
+            count, total = count - 1, total - sizes[name]
 
     def load_ckpt(
         self,
@@ -652,12 +667,13 @@ class DeepspeedStrategy:
         load_module_only=False,
     ):
         """Load a checkpoint written by save_ckpt into a prepared engine and restore this rank's random generators;
-        returns (load_path, client_state). Any run shape resumes: another number of ranks, ZeRO stage, dtype or
-        adam_offload. First every file is checked: its size on every node, and the CRCs of every .pt file, the work
-        spread over the ranks. With tag None it loads latest's checkpoint, or if that fails the newest one that
-        passes, and says so; a named tag that fails raises on every rank before anything loads, and so does a
-        checkpoint of another model while load_module_strict holds. load_module_only=True loads the weights (and
-        the random generators) alone, through the reader for other shapes whatever the shape.
+        returns (load_path, client_state). All ranks must call it. Any run shape resumes: another number of ranks,
+        ZeRO stage, dtype or adam_offload. First every file is checked, on every rank: its size, and the CRCs of
+        its records, the work spread over the ranks. With tag None it loads latest's checkpoint, or if that fails
+        the newest one that passes, and says so; a named tag that fails raises on every rank before anything
+        loads, and so does a checkpoint of another model while load_module_strict holds. load_module_only=True
+        loads the weights (and the random generators) alone, through the reader for other shapes whatever the
+        shape.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
@@ -666,9 +682,10 @@ class DeepspeedStrategy:
         ckpt_dir = os.path.join(load_dir, folder)
         if load_module_strict:
             self._raise_on_every_rank(self._model_mismatch(done, engine.module, ckpt_dir), ValueError)
-        saved_shape = (done["world_size"], done["zero_stage"], done["bf16"], done["adam_offload"])
-        native = saved_shape == (self.world_size, self.stage, self.bf16, self.adam_offload) and not load_module_only
-        if not native and done.get("groups") is None:
+        # DeepSpeed's own load where the run shape is the saving one. load_module_only goes through the reader
+        # whatever the shape: it also writes the fp32 master weights, which the next step starts from.
+        native = not load_module_only and all(done[key] == value for key, value in self._run_shape().items())
+        if not native and done["groups"] is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: resume it in the saving shape"
             self._raise_on_every_rank(why, ValueError)
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
@@ -681,8 +698,7 @@ class DeepspeedStrategy:
             else:
                 optimizer_states = load_optimizer_states and not load_module_only
                 load_path, client_state = self._load_in_new_shape(engine, ckpt_dir, done, optimizer_states)
-                if not load_module_only:
-                    self._load_engine_state(engine, client_state, load_lr_scheduler_states)
+                self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
@@ -690,7 +706,7 @@ class DeepspeedStrategy:
         if not native and self.stage in (1, 2):
             engine.optimizer.update_lp_params()  # collective: each rank's new fp32 shard into every rank's weights
         if rng_states is not None:
-            _set_rng_states(rng_states)
+            self._set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
             self.set_seed(self.seed + 1000 * engine.global_steps + self.get_rank())
         return load_path, client_state
@@ -698,14 +714,15 @@ class DeepspeedStrategy:
     def _choose_checkpoint(self, load_dir, tag):
         """(folder, record) of the checkpoint to load, checked on every rank. With tag None: the one latest names,
         else the newest that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
-        candidates = [tag]
+        candidates = [str(tag)]
         if tag is None:  # latest's checkpoint first, then the complete ones, newest first
-            latest = _read_latest(load_dir)
-            newest_first = [name for name in reversed(_complete_checkpoints(load_dir)) if name != latest]
-            if latest is None and newest_first:
-                newest = f"its newest complete checkpoint, {newest_first[0]}"
-                self.print(f"{load_dir} has no 'latest' file: resuming from {newest}")
-            candidates = ([latest] if latest is not None else []) + newest_first
+            latest = self._read_latest(load_dir)
+            complete = [name for name in reversed(self._complete_checkpoints(load_dir)) if name != latest]
+            if latest is None and complete:
+                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete one, {complete[0]}")
+            candidates = ([latest] if latest is not None else []) + complete
+        # One list for every rank, since each candidate's check is collective: that of the first rank that sees any.
+        candidates = self._first_of_ranks(candidates) or []
         problems = []  # (error type, why) of each candidate that failed, newest first
         for name in candidates:
             folder, done, problem = self._check_checkpoint(load_dir, name)
@@ -720,9 +737,9 @@ class DeepspeedStrategy:
         raise error_type(why)
 
     def _check_checkpoint(self, load_dir, tag):
-        """(folder holding tag's complete checkpoint, its record, None) or (.., .., (error type, why not)), alike
-        on every rank. Each node's first rank checks that every file is there at its size; then every rank reads
-        its share of the files' records to check their CRCs (torch.load does not)."""
+        """(folder, record, problem): the folder holding tag's complete checkpoint and its record, with problem
+        None if the checkpoint passes, else (error type, why), alike on every rank. Every rank checks that each
+        file is there at its saved size, and the CRCs of its share of the files' records (torch.load checks none)."""
         folder, done = None, None
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
         for name in (tag, tag + STAGING, tag + REPLACED):
@@ -735,72 +752,61 @@ class DeepspeedStrategy:
         if done is None:
             path = os.path.join(load_dir, tag)
             what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
-            causes = "the run stopped while saving it, or this node cannot see the folder"
-            fix = "checkpoints need a filesystem every node shares; load an earlier tag"
-            problem = (FileNotFoundError, f"{what}: {causes} ({fix})")
+            why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
+            problem = (FileNotFoundError, f"{what}: {why}; load an earlier tag")
         else:
-            for key, value in (("zero_stage", self.stage), ("bf16", self.bf16), ("adam_offload", self.adam_offload)):
-                done.setdefault(key, value)  # what older releases did not record: take it to be this run's
-            problem = self._missing_file(os.path.join(load_dir, folder), done) if self.local_rank == 0 else None
-        problem = self._first_problem(problem)
-        if problem is None:
-            names = sorted(name for name in done.get("files", {}) if name.endswith(".pt"))
-            damage = self._damaged_records(os.path.join(load_dir, folder), names, self.get_rank(), self.world_size)
-            if damage is not None:
-                problem = (RuntimeError, f"checkpoint {os.path.join(load_dir, folder)} does not load: {damage}")
-            problem = self._first_problem(problem)
-        return folder, done, problem
+            # What older releases did not record: the shape is taken to be this run's, and the model to match.
+            done = {**self._run_shape(), "files": {}, "tensors": None, "groups": None, **done}
+            path = os.path.join(load_dir, folder)
+            damage = self._damaged_files(path, done["files"], self.get_rank(), self.world_size)
+            problem = (RuntimeError, f"checkpoint {path} does not load: {damage}") if damage else None
+        return folder, done, self._first_of_ranks(problem)
 
-    def _missing_file(self, ckpt_dir, done):
-        """(FileNotFoundError, why) for the first file of the checkpoint not on this node at its saved size."""
-        for name, size in done.get("files", {}).items():
-            path = os.path.join(ckpt_dir, name)
+    def _damaged_files(self, folder, sizes, rank, world_size):
+        """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
+        ({name: bytes}) is there at its size, then the CRCs of its share of the files' records: every
+        world_size-th record, from the rank-th on. torch.save writes a zip archive, each tensor a record stored
+        uncompressed with its CRC: this computes each CRC straight from the memory-mapped file."""
+        record = -1  # the index of each record, counted over all the files
+        for name, size in sizes.items():
+            path = os.path.join(folder, name)
             found = os.path.getsize(path) if os.path.isfile(path) else None
             if found != size:
                 state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                return FileNotFoundError, f"checkpoint file {path} {state} on {socket.gethostname()}: load another tag"
-        return None
-
-    def _damaged_records(self, folder, names, rank, world_size):
-        """What is wrong with the first damaged zip record among this rank's share of the records of the files
-        names in folder (every world_size-th record, from the rank-th on), or None. torch.save writes a zip
-        archive, each tensor a record stored uncompressed with its CRC: this computes each CRC straight from the
-        memory-mapped file."""
-        record = -1  # the index of each record, counted over all the files
-        for name in names:
+                return f"{path} {state} on {socket.gethostname()}"
             try:
-                with open(os.path.join(folder, name), "rb") as f, zipfile.ZipFile(f) as archive:
+                with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
                         for info in archive.infolist():
                             record += 1
-                            if record % world_size != rank:
-                                continue  # another rank's share
-                            # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
-                            # lengths of the name and the extra field that come next.
-                            name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
-                            start = info.header_offset + 30 + name_length + extra_length
-                            crc = zlib.crc32(view[start : start + info.compress_size])
-                            if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
-                                return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
+                            if record % world_size == rank:  # this rank's share
+                                # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
+                                # lengths of the name and the extra field that come next.
+                                name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
+                                start = info.header_offset + 30 + name_length + extra_length
+                                crc = zlib.crc32(view[start : start + info.compress_size])
+                                if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
+                                    return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
             except (OSError, ValueError, struct.error, zipfile.BadZipFile) as error:
                 return f"{name} is damaged ({error})"
         return None
 
-    def _first_problem(self, problem):
-        """The first rank's problem, as every rank sees it, or None when no rank has one."""
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        return next((p for p in problems if p), None)
+    def _first_of_ranks(self, value):
+        """The first rank's value that is not empty (a problem, a list of candidates), as every rank sees it, or
+        None when every rank's is empty."""
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return next((v for v in values if v), None)
 
     def _raise_on_every_rank(self, problem, error_type) -> None:
         """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
-        found = self._first_problem(problem)
+        found = self._first_of_ranks(problem)
         if found:
             raise error_type(found)
 
     def _model_mismatch(self, done, module, ckpt_dir):
         """Why the checkpoint holds another model than module (its first differing names and shapes), else None."""
-        if "tensors" not in done:  # saved by an older release, which did not record them
+        if done["tensors"] is None:  # saved by an older release, which did not record them
             return None
         saved, here = done["tensors"], self._tensor_shapes(module)
         differing = [name for name in sorted(set(saved) | set(here)) if saved.get(name) != here.get(name)]
@@ -810,14 +816,71 @@ class DeepspeedStrategy:
         return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({', '.join(shown)})"
 
     # ---------------------------------------------------------------------------------------------------------
+    # Checkpoint files: the random generators' states, and writing, syncing and finding checkpoint files
+
+    def _get_rng_states(self) -> dict:
+        # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
+        states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+        if get_accelerator().device_name() != "cpu":
+            states["device"] = get_accelerator().get_rng_state()
+        return states
+
+    def _set_rng_states(self, states: dict) -> None:
+        random.setstate(states["python"])
+        torch.set_rng_state(states["torch"])
+        numpy.random.set_state(states["numpy"])  # numpy takes the generator's keys as a list too
+        if "device" in states:
+            get_accelerator().set_rng_state(states["device"])
+
+    def _write_atomically(self, path: str, text: str) -> None:
+        # mkstemp picks a name no other process can have picked; one made from the pid could clash, since pids
+        # repeat across containers and nodes.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        self._fsync(tmp)
+        os.replace(tmp, path)
+        self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
+
+    def _fsync(self, path) -> None:
+        """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _folder_bytes(self, path: str) -> int:
+        return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+    def _complete_checkpoints(self, save_dir: str) -> list:
+        """The complete checkpoints in save_dir, oldest first (by when they were completed)."""
+        names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
+        done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
+        complete = [n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))]
+        return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
+
+    def _read_latest(self, save_dir: str):
+        try:
+            with open(os.path.join(save_dir, "latest")) as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
+
+    # ---------------------------------------------------------------------------------------------------------
     # Resuming in another shape. DeepSpeed's own load needs the run shape that saved the checkpoint. For any other,
     # load_ckpt reads the saved files at load time, rather than saving a second, shape-free copy of every
     # checkpoint: saving stays as fast and as large as DeepSpeed's. The files are memory-mapped, so a rank reads
     # only the slices of each tensor it will hold; a full tensor exists only where the new run keeps one whole.
     #
-    # Both sides deal in slices of flattened tensors. The saved side is a dict of "pieces": for (tensor name, key),
-    # (start, 1-D tensor) pairs, the tensor holding elements start, start + 1, ... The keys: "value" (the fp32
-    # master weight of a trainable parameter, or a frozen parameter or buffer) and Adam's MOMENTS.
+    # Both sides deal in slices of flattened tensors. The saved side is a dict of "pieces": pieces[name, key] lists
+    # (start, piece) pairs, each piece a 1-D tensor holding elements start, start + 1, ... of the flattened saved
+    # tensor. The key is "value" (the fp32 master weight of a trainable parameter, or a frozen parameter or
+    # buffer) or one of Adam's MOMENTS. The loading side is this rank's "owned slices" (_owned_slices): which
+    # elements of which parameter each of its optimizer's flat fp32 tensors holds. _read fills an owned slice from
+    # the pieces that overlap it; _write_tensor writes the 16-bit weights, frozen parameters and buffers alike.
 
     @torch.no_grad()
     def _load_in_new_shape(self, engine, ckpt_dir, done, optimizer_states):
@@ -827,29 +890,26 @@ class DeepspeedStrategy:
         Returns (the saved model-states file, the dict it holds)."""
         trainable = {name for names in done["groups"] for name in names}
         pieces, groups, step, model_states = self._saved_pieces(ckpt_dir, done, trainable)
-        optimizer = engine.optimizer
-        base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer
-        for name, start, length, master, offset in self._owned_slices(engine):
+        # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer (or DeepSpeedCPUAdam) and share its param_groups.
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or capturable),
+        # DeepSpeedCPUAdam and FusedAdam in an int.
+        torch_step = type(base).__module__.startswith("torch.")
+        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+        for name, start, offset, length, master in self._owned_slices(engine):
             if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
                 base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
-            keys = ("value", *MOMENTS) if optimizer_states else ("value",)
-            for key in keys:
+            for key in ("value", *MOMENTS) if optimizer_states else ("value",):
                 destination = master if key == "value" else base.state[master][key]
                 destination.view(-1)[offset : offset + length] = self._read(pieces.get((name, key), []), start, length)
             if optimizer_states:
-                # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
-                # capturable), DeepSpeedCPUAdam and FusedAdam in an int.
-                count = step
-                if type(base).__module__.startswith("torch."):
-                    on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
-                    count = torch.tensor(float(step), device=master.device if on_device else "cpu")
-                base.state[master]["step"] = count
+                device = master.device if on_device else "cpu"
+                base.state[master]["step"] = torch.tensor(float(step), device=device) if torch_step else step
         if optimizer_states:
-            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            for group, saved in zip(base.param_groups, groups, strict=True):
                 # The hyperparameters (lr, betas, weight decay...), not the switches of how a step is computed.
                 switches = {"params", "foreach", "fused", "capturable", "differentiable"}
-                for key in (set(group) & set(saved)) - switches:
-                    group[key] = saved[key]
+                group.update({key: saved[key] for key in (set(group) & set(saved)) - switches})
         tensors = dict(engine.module.named_parameters())
         tensors.update((name, b) for name, b in engine.module.named_buffers() if name in done["tensors"])
         for name, tensor in tensors.items():  # ZeRO 1 and 2 gather their 16-bit weights in update_lp_params
@@ -858,16 +918,19 @@ class DeepspeedStrategy:
         return os.path.join(ckpt_dir, self._model_states_file(done["zero_stage"])), model_states
 
     def _model_states_file(self, stage):
+        """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
         return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
-    def _load_engine_state(self, engine, states, load_lr_scheduler_states):
-        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters.
-        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the rest."""
-        if load_lr_scheduler_states and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-        engine.global_steps = states["global_steps"]
-        engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
-        engine.skipped_steps = states["skipped_steps"]
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only):
+        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
+        (not with load_module_only). Leaves in states what that load returns as client_state: what save_ckpt's
+        caller passed, and the entries of DeepSpeed's own that its load leaves there too (ds_config, ...)."""
+        if not load_module_only:
+            if load_lr_scheduler_states and engine.lr_scheduler is not None:
+                engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+            engine.global_steps = states["global_steps"]
+            engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+            engine.skipped_steps = states["skipped_steps"]
         deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
         for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
             states.pop(key, None)
@@ -888,16 +951,17 @@ class DeepspeedStrategy:
         def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
             return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
 
+        # steps: Adam's step of each group (at stage 0 of each parameter). They differ only where one was never
+        # stepped, so the largest is the run's.
         pieces, steps = {}, []
 
         def add(name, start, tensors, offset=0, length=None):
             """Record each tensor of `tensors` that is a weight or a moment as a piece of `name` from element start
-            on: its flattened elements [offset, offset + length), or all."""
+            on: its flattened elements [offset, offset + length), or all. Anything else (Adam's step) is left out."""
             for key, tensor in tensors.items():
                 if key in ("value", *MOMENTS):
-                    tensor = tensor.reshape(-1)
-                    end = tensor.numel() if length is None else offset + length
-                    pieces.setdefault((name, key), []).append((start, tensor[offset:end]))
+                    end = None if length is None else offset + length
+                    pieces.setdefault((name, key), []).append((start, tensor.reshape(-1)[offset:end]))
 
         model_states = load(self._model_states_file(stage))
         module = model_states["module"]
@@ -919,10 +983,10 @@ class DeepspeedStrategy:
         for rank in range(world_size):
             # Found by the end of its name: bf16 runs prefix it with bf16_.
             optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-            saved = load(optimizer_file)["optimizer_state_dict"]
+            saved = load(optimizer_file)["optimizer_state_dict"]  # the ZeRO optimizer's state, around torch's
             if stage < 3:
                 torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
-                layouts = []
+                layouts = []  # per group, (name, start, offset, length) of each fragment, as _zero3_layout gives
                 for mapping in saved["param_slice_mappings"]:
                     layouts.append([])
                     for name, fragment in mapping.items():
@@ -936,7 +1000,7 @@ class DeepspeedStrategy:
                     start, length, _ = self._zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
                     add(name, start, {"value": fragment}, 0, length)
             for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
-                state = torch_state["state"].get(g, {})
+                state = torch_state["state"].get(g, {})  # Adam's moments for the flat range, and its step
                 steps.append(state.get("step", 0))
                 for name, start, offset, length in layout:
                     add(name, start, {"value": flat, **state}, offset, length)
@@ -944,8 +1008,9 @@ class DeepspeedStrategy:
 
     def _owned_slices(self, engine):
         """Each slice of a trainable parameter's fp32 master weight that this rank's optimizer steps, as (name,
-        start, length, master, offset): elements [start, start + length) of parameter `name`, flattened, are
-        elements [offset, offset + length) of the flattened tensor `master`, which keys the optimizer's state."""
+        start, offset, length, master), in the order the saved layouts use: elements [start, start + length) of
+        parameter `name`, flattened, are elements [offset, offset + length) of the flattened tensor `master`,
+        which keys the optimizer's state."""
         optimizer, rank = engine.optimizer, dist.get_rank()
         names = {id(p): name for name, p in engine.module.named_parameters()}
         if self.stage in (1, 2):  # one flat range per group; a parameter's _hp_mapping says which part is its
@@ -953,17 +1018,17 @@ class DeepspeedStrategy:
                 for p in params:
                     if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
                         lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-                        yield names[id(p)], lp.start, lp.numel, master, hp.start
+                        yield names[id(p)], lp.start, hp.start, lp.numel, master
         elif self.stage == 3:  # one flat partition per sub-group: each parameter's ZeRO 3 slice, in order
             for master, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups, strict=True):
                 shapes = {names[id(p)]: p.ds_shape for p in params}
                 for name, start, offset, length in self._zero3_layout(shapes, self.world_size, rank):
-                    yield name, start, length, master, offset
+                    yield name, start, offset, length, master
         else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
             masters = getattr(optimizer, "fp32_groups", [group["params"] for group in optimizer.param_groups])
             for params, copies in zip(getattr(optimizer, "fp16_groups", masters), masters, strict=True):
                 for p, master in zip(params, copies, strict=True):
-                    yield names[id(p)], 0, p.numel(), master, 0
+                    yield names[id(p)], 0, 0, p.numel(), master
 
     def _read(self, pieces, start, length):
         """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies
@@ -983,25 +1048,23 @@ class DeepspeedStrategy:
         return rank * size, max(0, min(size, numel - rank * size)), size
 
     def _zero3_layout(self, shapes, world_size, rank):
-        """(name, start, offset, length) of each parameter's slice in a ZeRO 3 flat partition, one per sub-group
-        and rank: the parameters' slices one after the other, in order, each taking its full size."""
-        layout, offset = [], 0
+        """Yields (name, start, offset, length) for each parameter's slice in a ZeRO 3 flat partition, one per
+        sub-group and rank: the parameters' slices one after the other, in order, each taking its full size."""
+        offset = 0
         for name, shape in shapes.items():
             start, length, size = self._zero3_slice(math.prod(shape), world_size, rank)
-            layout.append((name, start, offset, length))
+            yield name, start, offset, length
             offset += size
-        return layout
 
     def _write_tensor(self, tensor, pieces):
         """Write a module's parameter or buffer from the pieces of its flattened values: at ZeRO 3 this rank's
         partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
-        if hasattr(tensor, "ds_tensor"):
+        if hasattr(tensor, "ds_tensor"):  # ZeRO 3: this rank's partition
             start, length, _ = self._zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
             tensor.ds_tensor.data.view(-1)[:length] = self._read(pieces, start, length)
-            if tensor.ds_status == ZeroParamStatus.AVAILABLE:
-                tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.ds_numel)
-        else:
-            tensor.data.view(-1)[:] = self._read(pieces, 0, tensor.numel())
+        # The whole tensor: always below ZeRO 3; at ZeRO 3 where it is resident (between uses it is empty).
+        if tensor.numel() == getattr(tensor, "ds_numel", tensor.numel()):
+            tensor.data.copy_(self._read(pieces, 0, tensor.numel()).view(tensor.shape))
 
     # ---------------------------------------------------------------------------------------------------------
     # Model weights: save_model writes the full weights for use outside training, load_model reads them back
@@ -1036,12 +1099,12 @@ class DeepspeedStrategy:
         submodule at a time (DeepSpeed's private _zero3_consolidated_16bit_state_dict broadcasts them back too)."""
         module = self._unwrap_model(model)
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
-        if self._is_zero3(model):
-            for submodule in module.modules():
-                params = list(submodule.parameters(recurse=False))
-                with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                    if self.is_rank_0():
-                        copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
+        for submodule in module.modules():
+            params = list(submodule.parameters(recurse=False))
+            # At ZeRO 3 a submodule's full weights exist only inside the gather; below ZeRO 3 it does nothing.
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if self.is_rank_0():
+                    copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
         if not self.is_rank_0():
             return {}
         state_dict = {}
@@ -1055,22 +1118,22 @@ class DeepspeedStrategy:
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
         """Load a state dict file into model (a module or an engine, which then trains on from it), reading tensors
         only (weights_only=True): a file carrying other objects is refused and its code never runs. The file's CRCs
-        are checked first, the work spread over the ranks. A file none of whose keys the model has is refused even
-        with strict=False; else rank 0 reports missing and extra keys. At ZeRO 3 each rank reads only its shards."""
+        are checked first (at ZeRO 3 the work spread over the ranks). A file none of whose keys the model has is
+        refused even with strict=False; else rank 0 reports missing and extra keys. At ZeRO 3 each rank reads only
+        its shards."""
         # Below ZeRO 3 this rank reads the whole file and checks it alone; at ZeRO 3, where every rank must call
         # this and reads only its shards, the ranks share the check.
-        zero3 = self._is_zero3(model)
+        zero3 = any(hasattr(p, "ds_id") for p in self._unwrap_model(model).parameters())  # partitioned
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         folder, name = os.path.split(os.path.abspath(path))
-        problem = None
-        if zipfile.is_zipfile(path):  # torch.save's format; other formats carry no CRCs to check
-            problem = self._damaged_records(folder, [name], rank, world_size)
+        zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
+        problem = self._damaged_files(folder, {name: os.path.getsize(path)}, rank, world_size) if zipped else None
         if zero3:
-            problem = self._first_problem(problem)
+            problem = self._first_of_ranks(problem)
         if problem:
             raise ValueError(f"refusing to load {path}: {problem}")
         try:  # memory-mapped where the format allows: a tensor is read only where it is used
-            state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipfile.is_zipfile(path))
+            state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipped)
         except pickle.UnpicklingError as error:
             why = "it holds Python objects besides tensors, and unpickling them could run code: load a state dict"
             raise ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}") from None
@@ -1079,30 +1142,24 @@ class DeepspeedStrategy:
         self._load_state_dict(model, state_dict, strict, source=path)
 
     def _load_state_dict(self, model, state_dict, strict, source) -> None:
-        """Load state_dict into model and into a training engine's fp32 master copy, which the next step would
-        otherwise write back. At ZeRO 3 each rank writes only its own partition of each tensor."""
-        module = self._unwrap_model(model)
-        expected = list(module.state_dict())  # at ZeRO 3 too: partitioned parameters appear with empty shards
-        if not set(state_dict) & set(expected):
-            keys = f"the file has {sorted(state_dict)[:3]}..., the model {sorted(expected)[:3]}... (key_replace_fn?)"
+        """Write state_dict into model's tensors, at ZeRO 3 each rank only its own partition (there
+        module.load_state_dict would meet the (0,) placeholders ZeRO 3 leaves between uses, not the weights), then
+        into a training engine's fp32 master copy, which the next step would otherwise write back."""
+        # {key: the parameter or buffer itself}, a tied tensor under each of its names; at ZeRO 3 too.
+        tensors = self._unwrap_model(model).state_dict(keep_vars=True)
+        if not set(state_dict) & set(tensors):
+            keys = f"the file has {sorted(state_dict)[:3]}..., the model {sorted(tensors)[:3]}... (key_replace_fn?)"
             raise ValueError(f"none of the {len(state_dict)} keys in {source} is a key of the model: {keys}")
-        if self._is_zero3(model):  # module.load_state_dict would write into the empty shards: write each partition
-            tensors = dict(module.named_parameters(remove_duplicate=False))
-            tensors.update(module.named_buffers(remove_duplicate=False))
-            missing = [key for key in expected if key not in state_dict]
-            unexpected = [key for key in state_dict if key not in tensors]
-            if strict and (missing or unexpected):
-                raise RuntimeError(f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-            for key, value in state_dict.items():
-                if key not in tensors:
-                    continue
+        missing = [key for key in tensors if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in tensors]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        for key, value in state_dict.items():
+            if key in tensors:  # an unexpected key has nowhere to go
                 shape = tuple(getattr(tensors[key], "ds_shape", tensors[key].shape))
                 if tuple(value.shape) != shape:
                     raise RuntimeError(f"{source}: {key} has shape {tuple(value.shape)}, the model's {shape}")
-                self._write_tensor(tensors[key], [(0, value.reshape(-1))])
-        else:
-            result = module.load_state_dict(state_dict, strict=strict)
-            missing, unexpected = result.missing_keys, result.unexpected_keys
+                self._write_tensor(tensors[key], [(0, value.reshape(-1))])  # one piece: all of it, from element 0
         if missing or unexpected:
             counts = f"{len(missing)} missing keys {missing[:5]} and {len(unexpected)} unexpected keys {unexpected[:5]}"
             self.print(f"loaded {source} with {counts}")
@@ -1115,7 +1172,6 @@ class DeepspeedStrategy:
 
     ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
-    @torch.no_grad()
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
         """OpenRLHF PPO's exponential moving average: on every accumulated_gradient-th call (once per optimizer
         step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta) * that
@@ -1126,12 +1182,12 @@ class DeepspeedStrategy:
             return
         pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
         for param, ema in pairs:
-            if not param.requires_grad:
-                continue
-            # No-ops for weights that are not sharded. The EMA's gather keeps rank 0's result on exit.
-            with deepspeed.zero.GatheredParameters([param]):
-                with deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
-                    ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
+            # Below ZeRO 3 the gathers do nothing. At ZeRO 3 the EMA weight's gather (modifier_rank=0) writes rank 0's
+            # new value back into every rank's shard as it exits.
+            if param.requires_grad:
+                with deepspeed.zero.GatheredParameters([param]):
+                    with deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
+                        ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
 
 
 class DistributedSampler(torch.utils.data.DistributedSampler):
@@ -1154,85 +1210,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         if not self.epoch_was_set:
             self.set_epoch(self.epoch + 1)
         self.epoch_was_set = False
-        return itertools.islice(super().__iter__(), self.skip, None)
+        return iter(list(super().__iter__())[self.skip :])
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.skip)
-
-
-# -------------------------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _first_variable(names):
-    """The value of the first of these environment variables that is set, else None."""
-    return next((os.environ[name] for name in names if name in os.environ), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_rng_states() -> dict:
-    # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
-    kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-    numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
-    states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if get_accelerator().device_name() != "cpu":
-        states["device"] = get_accelerator().get_rng_state()
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "numpy" in states:
-        kind, keys, pos, has_gauss, cached = states["numpy"]
-        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
-    if "device" in states:
-        get_accelerator().set_rng_state(states["device"])
-
-
-def _write_atomically(path: str, text: str) -> None:
-    # A name no other process can pick: pids repeat across containers and nodes.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(os.path.dirname(path))  # the rename, too, survives a power cut
-
-
-def _folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
-
-
-def _complete_checkpoints(save_dir: str) -> list:
-    """The complete checkpoints in save_dir, oldest first (by when they were completed)."""
-    done = {n: os.path.join(save_dir, n, DONE_FILE) for n in (os.listdir(save_dir) if os.path.isdir(save_dir) else [])}
-    complete = [n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))]
-    return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
-
-
-def _read_latest(save_dir: str):
-    try:
-        with open(os.path.join(save_dir, "latest")) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
-def _fsync(path) -> None:
-    """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -28,18 +28,21 @@ What the tests establish (two ranks over gloo unless noted):
   node that cannot see rank 0's files is refused on every rank; a checkpoint of another model is refused naming
   the tensors that differ; two writers with one pid both land their markers; rotation keeps max_num and
   max_mem and never deletes foreign folders; a resume in another shape writes nothing beside the checkpoint;
-  a checkpoint's pickled payload does run in load_ckpt, which is why its docstring warns.
+  a checkpoint's pickled payload does run in load_ckpt, which is why its docstring warns; a checkpoint of the
+  previous release resumes in its own shape and names the reason it cannot in another.
 - Weights: save_model at ZeRO 3 writes gathered weights that load into a plain module, keeps every key of
   state_dict() (a submodule under two names) and writes a tied weight once, leaves every rank's weights
-  unchanged, saves persistent buffers; load_model refuses a file carrying code, or none of whose keys the model
-  has, reports missing and unexpected keys, fills every ZeRO 3 shard, and an engine trains on from it.
+  unchanged, saves persistent buffers; load_model refuses a file carrying code, a flipped bit, or none of whose
+  keys the model has, reports missing and unexpected keys, fills every ZeRO 3 shard and, after a step, the
+  whole copies ZeRO 3 keeps of small weights, and an engine trains on from it.
 - Collectives and data: all_reduce and all_gather match hand computation; bools and integers reduce exactly,
   dicts pair by key, tensors of different lengths gather in rank order; the loader gives each rank a disjoint
   seeded shard and skips consumed samples; the sampler has OpenRLHF's name and reshuffles each epoch.
 - OpenRLHF's contracts: an Actor trains through its engine like plain PyTorch and a Hugging Face model's
   .model is not taken for one; moving_average matches a hand computation at every stage; flags for left-out
   features are refused.
-- Flags and launchers: bad values raise ValueError naming the flag; a batch-size mismatch fails on both of two
+- Flags and launchers: bad values raise ValueError naming the flag, and calls made before setup_distributed()
+  name it; a batch-size mismatch fails on both of two
   independently started ranks before any collective; a busy port and a missing rank are named with the fix;
   MPI's local-rank variables are read. train_example.py under deepspeed (1 and 2 processes), torchrun, plain
   python and two simulated nodes learns; with --full_determinism those runs save byte-identical weights, also
@@ -55,6 +58,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -386,6 +390,25 @@ def test_load_model_refuses_a_file_that_carries_code(tmp_path):
     assert not marker.exists()
 
 
+def test_load_model_refuses_a_file_with_a_flipped_bit_naming_it(tmp_path):
+    path = tmp_path / "w.bin"
+    torch.save(make_model().state_dict(), path)
+    flip_a_bit_in_the_largest_tensor(path)
+    with pytest.raises(ValueError, match=r"refusing to load .*w.bin: w.bin is damaged \(Bad CRC-32"):
+        DeepspeedStrategy(zero_stage=0).load_model(make_model(), str(path))
+
+
+def test_calls_made_too_early_or_with_a_bad_value_say_what_to_do(tmp_path):
+    strategy = DeepspeedStrategy(zero_stage=2)
+    with pytest.raises(RuntimeError, match=r"call strategy.setup_distributed\(\) before strategy.prepare\(\)"):
+        strategy.prepare(make_model())
+    for call, data in (("all_reduce", 1.0), ("all_gather", {"loss": torch.ones(1)})):
+        with pytest.raises(RuntimeError, match=rf"call strategy.setup_distributed\(\) before strategy.{call}\(\)"):
+            getattr(strategy, call)(data)
+    with pytest.raises(ValueError, match="save_ckpt max_num 0 must be a whole number >= 1"):
+        strategy.save_ckpt(None, str(tmp_path), max_num=0)
+
+
 def test_load_model_reads_a_state_dict_into_a_plain_module(tmp_path):
     source, target = make_model(init_seed=1), make_model(init_seed=2)
     torch.save({"layer." + k: v for k, v in source.state_dict().items()}, tmp_path / "w.bin")
@@ -439,15 +462,14 @@ class HuggingFaceLike(torch.nn.Module):
 
 
 def test_an_actor_is_unwrapped_but_a_hugging_face_models_backbone_is_not():
-    _actor_inner = DeepspeedStrategy(zero_stage=2)._actor_inner
-
+    engine_behind = DeepspeedStrategy(zero_stage=2)._engine
     inner = make_model()
-    assert _actor_inner(Actor(inner)) is inner
-    assert _actor_inner(HuggingFaceLike()) is None
-    assert _actor_inner(HuggingFaceLike(tied=True)) is None
+    assert engine_behind(Actor(inner)) is inner
+    for model in (HuggingFaceLike(), HuggingFaceLike(tied=True)):
+        assert engine_behind(model) is model
     with_head = Actor(make_model())
     with_head.head = torch.nn.Linear(2, 2)  # weights of its own: a model that happens to name a part `model`
-    assert _actor_inner(with_head) is None
+    assert engine_behind(with_head) is with_head
     assert DeepspeedStrategy(zero_stage=2)._unwrap_model(Actor(inner)) is inner
 
 
@@ -516,9 +538,8 @@ def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
             (damaged / name).write_bytes((tmp_path / name).read_bytes())
         flip_a_bit_in_the_largest_tensor(damaged / "b.pt", record)
         for world_size in (1, 2, 3, 7):
-            found = [
-                strategy._damaged_records(str(damaged), ["a.pt", "b.pt"], r, world_size) for r in range(world_size)
-            ]
+            sizes = {name: (damaged / name).stat().st_size for name in ("a.pt", "b.pt")}
+            found = [strategy._damaged_files(str(damaged), sizes, r, world_size) for r in range(world_size)]
             assert sum(f is not None for f in found) == 1, (record.filename, world_size, found)
             assert "b.pt is damaged (Bad CRC-32" in next(f for f in found if f)
 
@@ -527,14 +548,14 @@ def test_marker_files_written_at_once_by_processes_with_equal_pids_all_land(tmp_
     """Containers on different nodes often share pids; threads of one process share one for certain."""
     import threading
 
-    from get_strategy import _write_atomically
+    write_atomically = DeepspeedStrategy(zero_stage=0)._write_atomically
 
     errors = []
 
     def write(text):
         try:
             for _ in range(300):
-                _write_atomically(str(tmp_path / "latest"), text)
+                write_atomically(str(tmp_path / "latest"), text)
         except Exception as error:
             errors.append(repr(error))
 
@@ -691,13 +712,17 @@ def test_all_gather_concatenates_tensors_of_different_lengths_in_rank_order(core
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_training_continues_from_weights_loaded_with_load_model(core_run, stage):
-    """At lr 0 a step must leave the loaded weights as they are; a stale fp32 master copy would write the old
-    ones back (stage 0 runs in bf16, where DeepSpeed keeps such a copy too)."""
-    loaded = make_model(init_seed=7).state_dict()
+    """Loaded after a step and followed by one, at lr 0. The forward pass right after the load computes with
+    the loaded weights (at ZeRO 3 a stale whole copy of a small weight would not), and the step leaves them as
+    they are (a stale fp32 master copy would write the old ones back; stage 0 runs in bf16, where DeepSpeed keeps
+    such a copy too)."""
+    loaded = make_model(init_seed=7)
     for got in case(core_run, f"load_model_then_step_stage{stage}"):
-        assert got["steps"] == 1
+        tolerance = 2e-2 if stage == 0 else 1e-5  # stage 0 runs in bf16
+        torch.testing.assert_close(got["output"], loaded(got["inputs"]).detach(), rtol=tolerance, atol=tolerance)
+        assert got["steps"] == 2
         for name, value in got["params"].items():
-            assert torch.equal(value, loaded[name].to(value.dtype)), name
+            assert torch.equal(value, loaded.state_dict()[name].to(value.dtype)), name
 
 
 def test_a_model_built_under_zero_init_gets_weight_decay_groups_and_trains_like_plain_pytorch(core_run):
@@ -739,15 +764,29 @@ def test_load_ckpt_module_only_loads_a_two_rank_zero_3_checkpoint_into_one_rank(
     strategy.setup_distributed()
     model = make_model(init_seed=999)
     engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=LR), None))
-    strategy.load_ckpt(engine, str(out / "module_only"), load_module_only=True)
+    _, client_state = strategy.load_ckpt(engine, str(out / "module_only"), load_module_only=True)
     for name, value in full_params(engine).items():
         assert torch.equal(value, expected[name]), name
+    # The weights alone: the counters stay the fresh engine's, and client_state holds none of DeepSpeed's own state.
+    assert engine.global_steps == 0
+    assert not {"module", "optimizer", "lr_scheduler", "global_steps"} & set(client_state), sorted(client_state)
+
+
+def test_a_node_that_sees_no_checkpoint_is_named_on_every_rank_instead_of_hanging(core_run):
+    for got in case(core_run, "node_sees_nothing"):
+        assert got.startswith("FileNotFoundError: checkpoint "), got
+        assert "node_local_nothing/global_step0 is missing or incomplete as" in got, got
+
+
+def test_a_checkpoint_saved_under_an_integer_tag_loads_under_it(core_run):
+    for client_state in case(core_run, "int_tag"):
+        assert isinstance(client_state, dict)
 
 
 def test_a_node_that_cannot_see_rank_0s_files_refuses_the_checkpoint_on_every_rank(core_run):
     for got in case(core_run, "node_local"):
-        assert got.startswith("FileNotFoundError: checkpoint file "), got
-        assert re.search(r"/(mp_rank_00_|zero_pp_rank_0_|rng_state_rank0)[^ ]* is missing", got), got  # rank 0's
+        assert got.startswith("RuntimeError: checkpoint "), got
+        assert re.search(r"/(mp_rank_00_|zero_pp_rank_0_|rng_state_rank0)[^ ]* is missing on ", got), got  # rank 0's
 
 
 def assert_resumed_like(resumed, uninterrupted, rel):
@@ -770,6 +809,22 @@ def test_a_two_rank_fp32_checkpoint_resumes_on_one_rank_like_the_uninterrupted_r
 def test_a_one_rank_zero_2_checkpoint_resumes_on_two_ranks_at_zero_1_like_the_uninterrupted_run(core_run, one_rank_run):
     for resumed in case(core_run, "reshape_from_one_rank"):
         assert_resumed_like(resumed, one_rank_run[1], rel=1e-5)
+
+
+def test_a_checkpoint_of_the_previous_release_resumes_in_its_shape_and_says_why_not_in_another(
+    one_rank_run, tmp_path, clean_launch_env
+):
+    out, uninterrupted = one_rank_run
+    old = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt", old)
+    record_file = old / (old / "latest").read_text() / "checkpoint_complete.json"
+    record = json.loads(record_file.read_text())
+    for key in ("adam_offload", "tensors", "groups"):  # what release 0.14 did not record
+        del record[key]
+    record_file.write_text(json.dumps(record))
+    assert_resumed_like(resume_at_step_3(2, str(old)), uninterrupted, rel=1e-6)  # saved at ZeRO 2 on one rank
+    with pytest.raises(ValueError, match="saved by an older release of this file: resume it in the saving shape"):
+        resume_at_step_3(3, str(old))
 
 
 def test_a_bf16_checkpoint_resumes_on_one_rank_within_bf16_rounding(core_run):
@@ -882,7 +937,7 @@ def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_t
 
 def test_a_truncated_or_damaged_file_is_named_on_every_rank_which_all_stop_at_once(core_run):
     for got in case(core_run, "damaged"):
-        assert got["truncated"].startswith("FileNotFoundError: checkpoint file "), got["truncated"]
+        assert got["truncated"].startswith("RuntimeError: checkpoint "), got["truncated"]
         assert re.search(
             r"zero_pp_rank_1_mp_rank_00_optim_states.pt has \d+ bytes, not the \d+ saved", got["truncated"]
         )
@@ -1537,7 +1592,7 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
             str(example_dir / "weights_resumed"),
         )
     )
-    assert f"{ckpt} has no 'latest' file: resuming from its newest complete checkpoint, global_step4" in resumed
+    assert f"{ckpt} has no 'latest' file: resuming from its newest complete one, global_step4" in resumed
     assert "at step 4" in resumed
     uninterrupted = losses(deepspeed_two_ranks, "train")
     assert losses(stopped, "train") | losses(resumed, "train") == uninterrupted
@@ -1549,8 +1604,6 @@ def test_a_run_stopped_on_two_ranks_at_zero_3_continues_on_one_rank_at_zero_2_wi
     deepspeed_two_ranks, example_dir
 ):
     """The checkpoint the test above stopped at (2 ranks, ZeRO 3, step 4) resumed by plain python at ZeRO 2."""
-    import shutil
-
     ckpt = example_dir / "ckpt_reshaped"
     shutil.copytree(example_dir / "ckpt_resume", ckpt)
     for name in os.listdir(ckpt):
@@ -2033,9 +2086,16 @@ def worker_load_model_then_step(results, rank, out_dir):
     for stage, bf16 in ((0, True), (1, False), (2, False), (3, False)):
         strategy = new_strategy(stage, bf16=bf16)
         engine, optimizer, scheduler = prepared(strategy, schedule=lambda step: 0.0)  # lr 0: a step moves nothing
+        loader = iter(strategy.setup_dataloader(make_dataset(), MICRO))
+        # A step first: from then on ZeRO 3 keeps the small weights whole between uses, and load_model must
+        # write those whole copies as well as the shards, or the next forward pass computes with the old ones.
+        train(strategy, engine, optimizer, scheduler, loader, 1)
         strategy.load_model(engine, path, strict=True)
-        train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO), 1)
-        results[f"load_model_then_step_stage{stage}"] = dict(params=full_params(engine), steps=engine.global_steps)
+        inputs = make_dataset(4).tensors[0]
+        output = engine(inputs.to(next(engine.module.parameters()).dtype)).float().detach()
+        train(strategy, engine, optimizer, scheduler, loader, 1)
+        got = dict(params=full_params(engine), steps=engine.global_steps, inputs=inputs, output=output)
+        results[f"load_model_then_step_stage{stage}"] = got
 
 
 def worker_zero_init(results, rank):
@@ -2217,10 +2277,8 @@ def worker_damaged(results, rank, out_dir):
     except Exception as error:
         got["named_tag_damaged"] = f"{type(error).__name__}: {error}"
     # Another model: the same names, another width.
-    other = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 128), torch.nn.LayerNorm(128), torch.nn.GELU(), torch.nn.Dropout(0.0),
-        torch.nn.Linear(128, OUTPUTS),
-    )  # fmt: skip
+    layers = [torch.nn.Linear(FEATURES, 128), torch.nn.LayerNorm(128), torch.nn.GELU(), torch.nn.Dropout(0.0)]
+    other = torch.nn.Sequential(*layers, torch.nn.Linear(128, OUTPUTS))
     other_engine, _, _ = strategy.prepare((other, strategy.create_optimizer(other, lr=LR), None))
     try:
         strategy.load_ckpt(other_engine, os.path.join(out_dir, "fallback"), tag="older")
@@ -2249,10 +2307,8 @@ def flip_a_bit_in_the_largest_tensor(path, info=None):
 
 
 def worker_node_local(results, rank, out_dir):
-    """Rank 1 plays the first rank of a second node whose disk is its own: it holds what that node's ranks
-    wrote (and, as each node's first rank once wrote them, the markers), not rank 0's files."""
-    import shutil
-
+    """Rank 1 plays a rank of a second node whose disk is its own: it holds what that node's ranks wrote (and,
+    as each node's first rank once wrote them, the markers), not rank 0's files."""
     strategy = new_strategy(2)
     engine, _, _ = prepared(strategy)
     shared, node2 = os.path.join(out_dir, "node_local"), os.path.join(out_dir, "node_local_node2")
@@ -2264,12 +2320,21 @@ def worker_node_local(results, rank, out_dir):
             if name.startswith(("mp_rank_00", "zero_pp_rank_0_")) or name == "rng_state_rank0.pt":
                 os.remove(os.path.join(folder, name))
     torch.distributed.barrier()
-    strategy.local_rank = 0
     try:
         strategy.load_ckpt(engine, shared if rank == 0 else node2)
         results["node_local"] = "loaded"
     except Exception as error:
         results["node_local"] = f"{type(error).__name__}: {error}"
+    # A node that sees none of the checkpoints: its ranks must not go on alone while rank 0 checks one (a hang).
+    nothing = os.path.join(out_dir, "node_local_nothing")
+    os.makedirs(nothing, exist_ok=True)
+    try:
+        strategy.load_ckpt(engine, shared if rank == 0 else nothing)
+        results["node_sees_nothing"] = "loaded"
+    except Exception as error:
+        results["node_sees_nothing"] = f"{type(error).__name__}: {error}"
+    strategy.save_ckpt(engine, os.path.join(out_dir, "int_tag"), tag=7)  # a tag need not be a string
+    _, results["int_tag"] = strategy.load_ckpt(engine, os.path.join(out_dir, "int_tag"), tag=7)
 
 
 def run_core(out_dir, crash_dir, one_rank_dir, reshape_dir):
@@ -2322,6 +2387,7 @@ CASE_KEYS = {
     "load_model_then_step": [f"load_model_then_step_stage{s}" for s in range(4)],
     "save_tied_and_shared": ["tied_stage2", "tied_stage3"],
     "module_only": ["module_only_zero3"],
+    "node_local": ["node_local", "node_sees_nothing", "int_tag"],
     "actor": ["actor_stage2", "actor_stage3"],
     "moving_average": [f"moving_average_stage{s}" for s in range(4)],
     "reshape": [

@@ -106,13 +106,15 @@ def worker(args):
     for name, samples in times.items():
         load = statistics.median(t for t, _ in samples)
         check = statistics.median(c for _, c in samples)
-        lines.append(f"rank {rank}: {name}: load {load:.2f} s, of which the check {check:.2f} s "
-                     f"(a load with the check takes {load / (load - check):.2f}x one without)")  # fmt: skip
+        ratio = load / (load - check)
+        lines.append(f"rank {rank}: {name}: load {load:.2f} s, of which the check {check:.2f} s")
+        lines[-1] += f" (a load with the check takes {ratio:.2f}x one without)"
     same, other = (statistics.median(t for t, _ in times[n]) for n in engines)
     lines.append(f"rank {rank}: ZeRO 3 load / same-shape load = {other / same:.2f}")
-    lines.append(f"rank {rank}: ZeRO 3 load: RssAnon kept after each load {[round(k / 2**20) for k in kept]} MiB; "
-                 f"peak above that {transient / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB "
-                 f"({transient / largest:.2f}x)")  # fmt: skip
+    kept_mib = [round(k / 2**20) for k in kept]
+    lines.append(f"rank {rank}: ZeRO 3 load: RssAnon kept after each load {kept_mib} MiB; ")
+    lines[-1] += f"peak above that {transient / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB "
+    lines[-1] += f"({transient / largest:.2f}x)"
     outputs = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(outputs, "\n".join(lines))
     if rank == 0:
@@ -129,8 +131,8 @@ def main():
     if args.worker:
         return worker(args)
     shutil.rmtree(args.dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--worker",
-           "--repeats", str(args.repeats), "--dir", args.dir]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd = [*torchrun, __file__, "--worker", "--repeats", str(args.repeats), "--dir", args.dir]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith("rank ")) or done.stdout[-3000:])

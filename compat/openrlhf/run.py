@@ -146,23 +146,24 @@ def free_port():
 def launch(pipeline, stage, work, site, pretrain, name, resume):
     """One torchrun of OpenRLHF's cli/train_<pipeline>.py; returns (seconds, rank 0's output)."""
     out = os.path.join(work, name)
-    flags = [
-        "--pretrain", pretrain,
-        "--dataset", os.path.join(work, "sft.jsonl" if pipeline == "sft" else "pairs.jsonl"),
-        "--max_len", "48",
-        "--zero_stage", str(stage),
-        "--micro_train_batch_size", str(MICRO),
-        "--train_batch_size", str(TRAIN_BATCH),
-        "--max_epochs", str(EPOCHS),
-        "--learning_rate", "5e-3",
-        "--lr_warmup_ratio", "0",
-        "--save_steps", "1",
-        "--max_ckpt_num", "100",
-        "--ckpt_path", os.path.join(out, "ckpt"),
-        "--save_path", os.path.join(out, "final"),
-        "--logging_steps", "1",
-        "--seed", "42",
-    ]  # fmt: skip
+    options = {
+        "--pretrain": pretrain,
+        "--dataset": os.path.join(work, "sft.jsonl" if pipeline == "sft" else "pairs.jsonl"),
+        "--max_len": 48,
+        "--zero_stage": stage,
+        "--micro_train_batch_size": MICRO,
+        "--train_batch_size": TRAIN_BATCH,
+        "--max_epochs": EPOCHS,
+        "--learning_rate": "5e-3",
+        "--lr_warmup_ratio": 0,
+        "--save_steps": 1,
+        "--max_ckpt_num": 100,
+        "--ckpt_path": os.path.join(out, "ckpt"),
+        "--save_path": os.path.join(out, "final"),
+        "--logging_steps": 1,
+        "--seed": 42,
+    }
+    flags = [str(item) for option in options.items() for item in option]  # each flag followed by its value
     # The reward model evaluates once an epoch: without --eval_dataset it takes 1% of 48 samples, none. At the
     # others' learning rate its loss stays near log 2 for these 12 steps, so it gets a larger one.
     flags += {
@@ -181,10 +182,9 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
         flags.append("--load_checkpoint")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([site, REPO]), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        "-m", f"openrlhf.cli.train_{pipeline}", *flags,
-    ]  # fmt: skip
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    cmd = [*torchrun, "-m", f"openrlhf.cli.train_{pipeline}", *flags]
     started = time.perf_counter()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work)
     with open(os.path.join(work, f"{name}.log"), "w") as f:

@@ -874,6 +874,8 @@ class DeepspeedStrategy:
     # load_ckpt reads the saved files at load time, rather than saving a second, shape-free copy of every
     # checkpoint: saving stays as fast and as large as DeepSpeed's. The files are memory-mapped, so a rank reads
     # only the slices of each tensor it will hold; a full tensor exists only where the new run keeps one whole.
+    # The names of DeepSpeed's saved entries and optimizer attributes below are those of DeepSpeed 0.19.8, the
+    # oldest release requirements.txt allows; the reshape tests fail if a later release renames them.
     #
     # Both sides deal in slices of flattened tensors. The saved side is a dict of "pieces": pieces[name, key] lists
     # (start, piece) pairs, each piece a 1-D tensor holding elements start, start + 1, ... of the flattened saved
@@ -912,7 +914,10 @@ class DeepspeedStrategy:
                 group.update({key: saved[key] for key in (set(group) & set(saved)) - switches})
         tensors = dict(engine.module.named_parameters())
         tensors.update((name, b) for name, b in engine.module.named_buffers() if name in done["tensors"])
-        for name, tensor in tensors.items():  # ZeRO 1 and 2 gather their 16-bit weights in update_lp_params
+        # The 16-bit weights of trainable parameters come from the fp32 masters written above: here at ZeRO 0 and
+        # 3, where each rank writes its own (all, or its partition); at ZeRO 1 and 2 update_lp_params() gathers
+        # them from every rank's shard, once load_ckpt knows that every rank loaded.
+        for name, tensor in tensors.items():
             if name not in trainable or self.stage in (0, 3):
                 self._write_tensor(tensor, pieces[name, "value"])
         return os.path.join(ckpt_dir, self._model_states_file(done["zero_stage"])), model_states
@@ -951,8 +956,8 @@ class DeepspeedStrategy:
         def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
             return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
 
-        # steps: Adam's step of each group (at stage 0 of each parameter). They differ only where one was never
-        # stepped, so the largest is the run's.
+        # steps: Adam's step count as each group (at stage 0 each parameter) saved it. They are all the run's step
+        # count, except where one never stepped (no gradient yet): so the largest is the one to resume from.
         pieces, steps = {}, []
 
         def add(name, start, tensors, offset=0, length=None):
@@ -979,7 +984,10 @@ class DeepspeedStrategy:
                     steps.append(state.get("step", 0))
                     add(name, 0, {"value": value, **state})
             return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
-        seen = dict.fromkeys(done["tensors"], 0)  # ZeRO 1 and 2: a parameter's elements in earlier ranks' fragments
+        # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
+        # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is
+        # where the next fragment starts.
+        seen = dict.fromkeys(done["tensors"], 0)
         for rank in range(world_size):
             # Found by the end of its name: bf16 runs prefix it with bf16_.
             optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
@@ -1025,6 +1033,8 @@ class DeepspeedStrategy:
                 for name, start, offset, length in self._zero3_layout(shapes, self.world_size, rank):
                     yield name, start, offset, length, master
         else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
+            # fp32: no wrapper, so the masters are the groups' own parameters. bf16: DeepSpeed's wrapper keeps the
+            # 16-bit parameters in fp16_groups (its name for either 16-bit type) and their copies in fp32_groups.
             masters = getattr(optimizer, "fp32_groups", [group["params"] for group in optimizer.param_groups])
             for params, copies in zip(getattr(optimizer, "fp16_groups", masters), masters, strict=True):
                 for p, master in zip(params, copies, strict=True):

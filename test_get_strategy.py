@@ -25,7 +25,9 @@ What the tests establish (two ranks over gloo unless noted):
 - Checkpoints under attack: a rank killed while saving over the tag latest names leaves it loadable; a
   truncated file, a zeroed zip directory and one bit flipped inside a tensor of the model, optimizer or RNG file
   are each named on every rank; with no tag, a damaged newest checkpoint gives way to the next newest; a second
-  node that cannot see rank 0's files is refused on every rank; a checkpoint of another model is refused naming
+  node that cannot see rank 0's files is refused on every rank, and one that sees no checkpoint at all is named
+  on every rank instead of leaving rank 0 waiting; an integer tag loads; load_module_only leaves the counters
+  and returns no DeepSpeed state as client_state; a checkpoint of another model is refused naming
   the tensors that differ; two writers with one pid both land their markers; rotation keeps max_num and
   max_mem and never deletes foreign folders; a resume in another shape writes nothing beside the checkpoint;
   a checkpoint's pickled payload does run in load_ckpt, which is why its docstring warns; a checkpoint of the

@@ -13,6 +13,7 @@ the deepspeed launcher):
     strategy = get_strategy(args)
     strategy.setup_distributed()
     optimizer = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # or None: DeepSpeed steps it
     model, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
     for batch in strategy.setup_dataloader(dataset, strategy.micro_train_batch_size):
         loss = loss_fn(model(batch))
@@ -177,6 +178,8 @@ class DeepspeedStrategy:
             raise ValueError(f"--max_norm {max_norm!r} must be a finite number >= 0 (0 turns gradient clipping off)")
         if grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
+        # At stage 0 bf16 keeps fp32 master weights for the update, but its gradients stay in bf16 (DeepSpeed
+        # 0.19.8's get_data_types), and DeepSpeed raises NotImplementedError for any other accumulation dtype.
         weights_dtype = "bf16" if bf16 else "fp32"
         if zero_stage == 0 and grad_accum_dtype not in (None, weights_dtype):
             why = f"at stage 0 DeepSpeed accumulates gradients in the weights' dtype ({weights_dtype})"
@@ -686,7 +689,7 @@ class DeepspeedStrategy:
         # whatever the shape: it also writes the fp32 master weights, which the next step starts from.
         native = not load_module_only and all(done[key] == value for key, value in self._run_shape().items())
         if not native and done["groups"] is None:
-            why = f"checkpoint {ckpt_dir} was saved by an older release of this file: resume it in the saving shape"
+            why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
             self._raise_on_every_rank(why, ValueError)
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
         error = None
@@ -1024,6 +1027,7 @@ class DeepspeedStrategy:
         if self.stage in (1, 2):  # one flat range per group; a parameter's _hp_mapping says which part is its
             for master, params in zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True):
                 for p in params:
+                    # lp: the 16-bit (low-precision) parameter; hp: its fp32 (high-precision) master in the flat range.
                     if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
                         lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
                         yield names[id(p)], lp.start, hp.start, lp.numel, master
@@ -1105,13 +1109,15 @@ class DeepspeedStrategy:
 
     def _full_state_dict(self, model) -> dict:
         """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module under two
-        names, and a tensor behind several keys copied once, so ties survive. ZeRO 3 gathers read-only, one
-        submodule at a time (DeepSpeed's private _zero3_consolidated_16bit_state_dict broadcasts them back too)."""
+        names, and a tensor behind several keys copied once, so ties survive. ZeRO 3 gathers one submodule at a
+        time, read-only (modifier_rank=None): nothing is written back to the shards, as DeepSpeed's own private
+        gatherer, _zero3_consolidated_16bit_state_dict, does."""
         module = self._unwrap_model(model)
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
         for submodule in module.modules():
             params = list(submodule.parameters(recurse=False))
             # At ZeRO 3 a submodule's full weights exist only inside the gather; below ZeRO 3 it does nothing.
+            # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 if self.is_rank_0():
                     copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
@@ -1119,9 +1125,8 @@ class DeepspeedStrategy:
             return {}
         state_dict = {}
         for key, value in module.state_dict(keep_vars=True).items():
-            if id(value) not in copies:
-                # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
-                copies[id(value)] = value.detach().cpu().clone()
+            if id(value) not in copies:  # a buffer: the loop above copied every parameter
+                copies[id(value)] = value.detach().cpu().clone()  # a copy, not the live buffer
             state_dict[key] = copies[id(value)]
         return state_dict
 

@@ -825,7 +825,7 @@ def test_a_checkpoint_of_the_previous_release_resumes_in_its_shape_and_says_why_
         del record[key]
     record_file.write_text(json.dumps(record))
     assert_resumed_like(resume_at_step_3(2, str(old)), uninterrupted, rel=1e-6)  # saved at ZeRO 2 on one rank
-    with pytest.raises(ValueError, match="saved by an older release of this file: resume it in the saving shape"):
+    with pytest.raises(ValueError, match="saved by an older release of this file: load it whole in its own shape"):
         resume_at_step_3(3, str(old))
 
 

@@ -158,8 +158,8 @@ def launch(cmd, timeout, env=None):
     return done.returncode, done.stdout
 
 
-def torchrun(*args):
-    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", f"--master_port={free_port()}", *args]
+def torchrun(*args, ranks=WORLD):
+    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}", *args]
 
 
 def read_results(out_dir, rank=0):
@@ -1166,15 +1166,6 @@ def reshape_reference(steps=4, reset_at=None, reset=(), start=None):
     return tensors, scheduler.get_last_lr()
 
 
-def reshape_strategy(stage, **flags):
-    args = argparse.Namespace(
-        zero_stage=stage, micro_train_batch_size=MICRO, train_batch_size=RESHAPE_TRAIN, max_norm=MAX_NORM, **flags
-    )
-    strategy = get_strategy(args)
-    strategy.setup_distributed(timeout=timedelta(minutes=2))
-    return strategy
-
-
 def reshape_engine(strategy, init_seed):
     model = ReshapeModel(init_seed)
     optimizer = strategy.create_optimizer(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -1199,7 +1190,7 @@ def full_state(engine):
 def reshape_save(name, out_dir):
     """Shape A of a case: 2 steps, then a checkpoint in out_dir/name."""
     (_, stage, flags), _ = RESHAPE_CASES[name]
-    strategy = reshape_strategy(stage, **flags)
+    strategy = new_strategy(stage, train_batch_size=RESHAPE_TRAIN, **flags)
     engine, optimizer, scheduler = reshape_engine(strategy, init_seed=1234)
     reshape_train(strategy, engine, optimizer, scheduler, 2)
     strategy.save_ckpt(engine, os.path.join(out_dir, name), client_state={"consumed_samples": 2 * RESHAPE_TRAIN})
@@ -1224,7 +1215,7 @@ def saved_state(engine):
 def reshape_resume(name, out_dir):
     """Shape B of a case: a model initialised elsewhere, the checkpoint loaded, 2 more steps."""
     _, (_, stage, flags) = RESHAPE_CASES[name]
-    strategy = reshape_strategy(stage, **flags)
+    strategy = new_strategy(stage, train_batch_size=RESHAPE_TRAIN, **flags)
     engine, optimizer, scheduler = reshape_engine(strategy, init_seed=999)
     _, client_state = strategy.load_ckpt(engine, os.path.join(out_dir, name))
     loaded = dict(global_steps=engine.global_steps, global_samples=engine.global_samples, lr=scheduler.get_last_lr())
@@ -1243,7 +1234,7 @@ def reshape_saved_early(tmp_path_factory):
     with in_this_process():
         for name in reshape_cases_of(1, side=0):
             reshape_save(name, str(out))
-    returncode, output = launch(torchrun_n(3, "test_get_strategy.py", "--worker", "reshape_save3", str(out)), 300)
+    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "reshape_save3", str(out), ranks=3), 300)
     assert returncode == 0, output[-5000:]
     return out
 
@@ -1261,7 +1252,7 @@ def reshape_results(core_run):
         for name in reshape_cases_of(1, side=1):
             got[name] = reshape_resume(name, reshape_dir)
     three = out / "reshape3"
-    cmd = torchrun_n(3, "test_get_strategy.py", "--worker", "reshape_resume3", str(reshape_dir), str(three))
+    cmd = torchrun("test_get_strategy.py", "--worker", "reshape_resume3", str(reshape_dir), str(three), ranks=3)
     returncode, output = launch(cmd, 300)
     assert returncode == 0, output[-5000:]
     got.update(torch.load(three / "results.pt", weights_only=True))
@@ -1303,10 +1294,6 @@ def assert_reshaped_like(got, expected, tolerance):
     for key, value in expected.items():  # the frozen layer and the buffer came from the checkpoint too
         difference = (got["state"][key] - value).abs().max().item()
         assert difference < tolerance, (key, difference)
-
-
-def torchrun_n(ranks, *args):
-    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}", *args]
 
 
 def run_reshape_save3(out_dir):
@@ -1718,11 +1705,11 @@ def full_params(engine):
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def new_strategy(stage, bf16=False, **flags):
+def new_strategy(stage, bf16=False, train_batch_size=TRAIN, **flags):
     args = argparse.Namespace(
         zero_stage=stage,
         micro_train_batch_size=MICRO,
-        train_batch_size=TRAIN,
+        train_batch_size=train_batch_size,
         max_norm=MAX_NORM,
         bf16=bf16,
         seed=42,

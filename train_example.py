@@ -355,9 +355,10 @@ def model_from_args(args) -> ByteGPT:
 def byte_loss(model, x, y, per_sequence=False) -> torch.Tensor:
     """Mean cross-entropy in nats per byte, computed in fp32 also when the model runs in bf16; with per_sequence,
     one mean per sequence of the batch."""
+    logits, targets = model(x).float().flatten(0, 1), y.flatten()
     if not per_sequence:
-        return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1).mean(1)
+        return F.cross_entropy(logits, targets)
+    return F.cross_entropy(logits, targets, reduction="none").view(len(x), -1).mean(1)
 
 
 # -------------------------------------------------------------------------------------------------------------

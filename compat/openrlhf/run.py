@@ -210,6 +210,23 @@ def saved_weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def max_abs_diff(weights, other):
+    """The largest absolute difference between two state dicts' weights, over every key of the first."""
+    return max((weights[k].float() - other[k].float()).abs().max().item() for k in weights)
+
+
+def resume(pipeline, stage, work, site, pretrain, source, name):
+    """Run `name`: started with --load_checkpoint from a copy of run `source`'s checkpoints whose 'latest' names
+    the middle of the first epoch (step RESUME_AT). Returns its final weights."""
+    resumed = os.path.join(work, name)
+    shutil.rmtree(resumed, ignore_errors=True)
+    shutil.copytree(os.path.join(work, source, "ckpt"), os.path.join(resumed, "ckpt"))
+    write(os.path.join(resumed, "ckpt", "latest"), f"global_step{RESUME_AT}")
+    _, output = launch(pipeline, stage, work, site, pretrain, name, resume=True)
+    assert f"consumed_samples: {RESUME_AT * TRAIN_BATCH}" in output, "the resumed run did not load"
+    return saved_weights(os.path.join(resumed, "final"))
+
+
 def check(pipeline, stage, work, site, pretrain):
     import torch
     from transformers import AutoModelForCausalLM
@@ -218,16 +235,10 @@ def check(pipeline, stage, work, site, pretrain):
     seconds, output = launch(pipeline, stage, work, site, pretrain, name, resume=False)
     losses = micro_step_losses(output)
     steps = len([n for n in os.listdir(os.path.join(work, name, "ckpt")) if re.fullmatch(r"global_step\d+", n)])
-    # Resume from a copy of the full run's checkpoints whose 'latest' names the middle of the first epoch.
-    resumed = os.path.join(work, f"{name}_resumed")
-    shutil.rmtree(resumed, ignore_errors=True)
-    shutil.copytree(os.path.join(work, name, "ckpt"), os.path.join(resumed, "ckpt"))
-    write(os.path.join(resumed, "ckpt", "latest"), f"global_step{RESUME_AT}")
-    _, resumed_output = launch(pipeline, stage, work, site, pretrain, f"{name}_resumed", resume=True)
-    assert f"consumed_samples: {RESUME_AT * TRAIN_BATCH}" in resumed_output, "the resumed run did not load"
-    full, again = saved_weights(os.path.join(work, name, "final")), saved_weights(os.path.join(resumed, "final"))
+    again = resume(pipeline, stage, work, site, pretrain, source=name, name=f"{name}_resumed")
+    full = saved_weights(os.path.join(work, name, "final"))
     assert full.keys() == again.keys()
-    resume_diff = max((full[k].float() - again[k].float()).abs().max().item() for k in full)
+    resume_diff = max_abs_diff(full, again)
 
     folder = os.path.join(work, name, "final")
     if pipeline == "rm":
@@ -254,17 +265,9 @@ def check(pipeline, stage, work, site, pretrain):
 
 def check_reshape(work, site, pretrain):
     """sft_2's checkpoint at RESUME_AT resumed at ZeRO 3: (its distance to sft_2's weights, sft_3's)."""
-    resumed = os.path.join(work, "sft_2to3_resumed")
-    shutil.rmtree(resumed, ignore_errors=True)
-    shutil.copytree(os.path.join(work, "sft_2", "ckpt"), os.path.join(resumed, "ckpt"))
-    write(os.path.join(resumed, "ckpt", "latest"), f"global_step{RESUME_AT}")
-    _, output = launch("sft", 3, work, site, pretrain, "sft_2to3_resumed", resume=True)
-    assert f"consumed_samples: {RESUME_AT * TRAIN_BATCH}" in output, "the resumed run did not load"
+    resumed = resume("sft", 3, work, site, pretrain, source="sft_2", name="sft_2to3_resumed")
     zero2 = saved_weights(os.path.join(work, "sft_2", "final"))
-    distance = lambda other: max((zero2[k].float() - other[k].float()).abs().max().item() for k in zero2)  # noqa: E731
-    return distance(saved_weights(os.path.join(resumed, "final"))), distance(
-        saved_weights(os.path.join(work, "sft_3", "final"))
-    )
+    return max_abs_diff(zero2, resumed), max_abs_diff(zero2, saved_weights(os.path.join(work, "sft_3", "final")))
 
 
 def main():

@@ -49,6 +49,7 @@ import tempfile
 import zipfile
 import zlib
 from datetime import timedelta
+from typing import NamedTuple
 
 import deepspeed
 import numpy  # DeepSpeed requires it, so vendoring this file adds nothing to install
@@ -423,7 +424,8 @@ class DeepspeedStrategy:
         # The optimizer's groups by parameter name, before DeepSpeed regroups them: save_ckpt records them, since
         # a ZeRO 0 checkpoint keys Adam's state by position alone.
         names = {id(p): name for name, p in self._engine(model).named_parameters()}
-        group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        # DeepSpeed drops empty groups.
+        group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups if group["params"]]
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=self._engine(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()
         )
@@ -626,6 +628,9 @@ class DeepspeedStrategy:
         done["tensors"] = self._tensor_shapes(engine.module)
         done["groups"] = getattr(engine, "param_group_names", None)
         done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
+        # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
+        done["contents"] = {name: self._records_digest(os.path.join(staging, name)) for name in done["files"]}
+        done["crc"] = self._record_crc(done)  # the record's own, so a damaged record is told from a missing one
         self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
         if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
             shutil.rmtree(folder + REPLACED, ignore_errors=True)
@@ -637,8 +642,10 @@ class DeepspeedStrategy:
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
 
     def _run_shape(self) -> dict:
-        """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all four unchanged."""
-        return dict(world_size=self.world_size, zero_stage=self.stage, bf16=self.bf16, adam_offload=self.adam_offload)
+        """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all of it unchanged (the
+        accumulation dtype too, since it decides which optimizer class DeepSpeed builds)."""
+        shape = dict(world_size=self.world_size, zero_stage=self.stage, bf16=self.bf16, adam_offload=self.adam_offload)
+        return dict(shape, grad_accum_dtype=self.grad_accum_dtype)
 
     def _tensor_shapes(self, module) -> dict:
         """{name: shape} of a module's parameters (their full shape at ZeRO 3) and of the buffers it saves."""
@@ -669,54 +676,94 @@ class DeepspeedStrategy:
         load_lr_scheduler_states=True,
         load_module_only=False,
     ):
-        """Load a checkpoint written by save_ckpt into a prepared engine and restore this rank's random generators;
-        returns (load_path, client_state). All ranks must call it. Any run shape resumes: another number of ranks,
-        ZeRO stage, dtype or adam_offload. First every file is checked, on every rank: its size, and the CRCs of
-        its records, the work spread over the ranks. With tag None it loads latest's checkpoint, or if that fails
-        the newest one that passes, and says so; a named tag that fails raises on every rank before anything
-        loads, and so does a checkpoint of another model while load_module_strict holds. load_module_only=True
-        loads the weights (and the random generators) alone, through the reader for other shapes whatever the
-        shape.
+        """Load a checkpoint into a prepared engine and restore this rank's random generators; returns (load_path,
+        client_state), or (None, {}) when load_dir holds no checkpoint at all (a run that starts afresh). All ranks
+        must call it. In order:
+        1. Choose: with tag None latest's checkpoint, or if that fails the newest one that passes, saying so; a
+           named tag that fails raises on every rank. Every candidate's files are checked first, on every rank:
+           sizes, contents and the CRCs of their records, the work spread over the ranks.
+        2. Check the model: another model (names or shapes) is refused while load_module_strict holds; without it,
+           the tensors that match by name and shape load, the rest keep their values, and rank 0 lists both.
+        3. Load: DeepSpeed's own load where the engine trains in the saving run's shape (bit-exact), else the
+           ReshapingReader at the end of this file: another number of ranks, ZeRO stage, dtype or adam_offload.
+           load_module_only=True loads the weights alone, through the reader whatever the shape, so the fp32
+           masters the next step starts from are written too. An eval engine (prepare(model)) loads the weights
+           alone, whatever load_module_only says.
+        4. Restore the random generators (also with load_module_only).
+        A checkpoint without save_ckpt's record (a plain DeepSpeed one, as OpenRLHF's strategy writes) loads only
+        in its own shape, through DeepSpeed's load, with a warning that nothing could be verified.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         engine = self._engine(model)
         folder, done = self._choose_checkpoint(load_dir, tag)
+        if folder is None:
+            self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
+            return None, {}
         ckpt_dir = os.path.join(load_dir, folder)
+        mismatch = self._model_mismatch(done, engine.module, ckpt_dir)
         if load_module_strict:
-            self._raise_on_every_rank(self._model_mismatch(done, engine.module, ckpt_dir), ValueError)
-        # DeepSpeed's own load where the run shape is the saving one. load_module_only goes through the reader
-        # whatever the shape: it also writes the fp32 master weights, which the next step starts from.
-        native = not load_module_only and all(done[key] == value for key, value in self._run_shape().items())
-        if not native and done["groups"] is None:
+            self._raise_on_every_rank(mismatch, ValueError)
+        same_shape = all(done[key] == value for key, value in self._run_shape().items())
+        trains = training_optimizer(engine) is not None
+        native = same_shape and mismatch is None and trains and not load_module_only
+        if done.get("unverified"):  # a plain DeepSpeed checkpoint: only DeepSpeed's load reads it
+            shape = {key: done[key] for key in self._run_shape()}
+            fix = f"resume it with {shape}, call save_ckpt once, and resume that checkpoint in any shape"
+            why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint) and loads only as saved"
+            self._raise_on_every_rank(None if native else f"{why}: {fix}", ValueError)
+            self.print(f"warning: {why}; loading it with DeepSpeed's own load, unverified (no sizes or CRCs)")
+        elif not native and done["groups"] is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
             self._raise_on_every_rank(why, ValueError)
+        here = self._tensor_shapes(engine.module)
+        loadable = {name for name, shape in here.items() if done["tensors"] and done["tensors"].get(name) == shape}
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
-        error = None
+        reader, error = None, None
         try:
             if native:  # DeepSpeed's own load, bit-exact
                 load_path, client_state = engine.load_checkpoint(
                     load_dir, folder, load_module_strict, load_optimizer_states, load_lr_scheduler_states
                 )
             else:
+                reader = ReshapingReader(engine, ckpt_dir, done)
                 optimizer_states = load_optimizer_states and not load_module_only
-                load_path, client_state = self._load_in_new_shape(engine, ckpt_dir, done, optimizer_states)
+                client_state = reader.load(loadable, optimizer_states and trains)
+                load_path = os.path.join(ckpt_dir, model_states_file(done["zero_stage"]))
                 self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
         self._raise_on_every_rank(error, RuntimeError)
-        if not native and self.stage in (1, 2):
-            engine.optimizer.update_lp_params()  # collective: each rank's new fp32 shard into every rank's weights
+        if reader is not None:
+            reader.finish()  # collective
+            if mismatch:
+                kept, unused = sorted(set(here) - loadable), sorted(set(done["tensors"]) - loadable)
+                self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
         if rng_states is not None:
             self._set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
             self.set_seed(self.seed + 1000 * engine.global_steps + self.get_rank())
         return load_path, client_state
 
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only):
+        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
+        (not with load_module_only). Leaves in states what that load returns as client_state: what save_ckpt's
+        caller passed, and the entries of DeepSpeed's own that its load leaves there too (ds_config, ...)."""
+        if not load_module_only:
+            if load_lr_scheduler_states and engine.lr_scheduler is not None:
+                engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+            engine.global_steps = states["global_steps"]
+            engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+            engine.skipped_steps = states["skipped_steps"]
+        deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
+        for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
+            states.pop(key, None)
+
     def _choose_checkpoint(self, load_dir, tag):
-        """(folder, record) of the checkpoint to load, checked on every rank. With tag None: the one latest names,
-        else the newest that passes; a named tag that fails, or no checkpoint at all, raises on every rank."""
+        """(folder, record) of the checkpoint to load, checked on every rank, or (None, None) if tag is None and
+        load_dir holds none. With tag None: the one latest names, else the newest that passes; a named tag that
+        fails, or checkpoints that all fail, raise on every rank."""
         candidates = [str(tag)]
         if tag is None:  # latest's checkpoint first, then the complete ones, newest first
             latest = self._read_latest(load_dir)
@@ -735,39 +782,82 @@ class DeepspeedStrategy:
                 return folder, done
             problems.append(problem)
         if not problems:
-            raise FileNotFoundError(f"no checkpoint to resume in {load_dir}: it holds no complete checkpoint")
+            return None, None
         error_type, why = problems[0]
-        raise error_type(why)
+        raise error_type(why if len(problems) == 1 else f"{why}; and {len(problems) - 1} older ones fail too")
 
     def _check_checkpoint(self, load_dir, tag):
-        """(folder, record, problem): the folder holding tag's complete checkpoint and its record, with problem
-        None if the checkpoint passes, else (error type, why), alike on every rank. Every rank checks that each
-        file is there at its saved size, and the CRCs of its share of the files' records (torch.load checks none)."""
-        folder, done = None, None
+        """(folder, record, problem): the folder holding tag's checkpoint and its record, with problem None if the
+        checkpoint passes, else (error type, why), alike on every rank. Every rank checks that each file is there
+        at its saved size and content, and the CRCs of its share of the files' records (torch.load checks none)."""
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
-        for name in (tag, tag + STAGING, tag + REPLACED):
-            try:
-                with open(os.path.join(load_dir, name, DONE_FILE)) as f:
-                    folder, done = name, json.load(f)
-                break
-            except (OSError, ValueError):
-                continue
-        if done is None:
-            path = os.path.join(load_dir, tag)
+        names = [
+            name
+            for name in (tag, tag + STAGING, tag + REPLACED)
+            if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))
+        ]
+        folder = names[0] if names else tag
+        path, done, problem = os.path.join(load_dir, folder), None, None
+        if names:
+            done = self._read_record(path)
+            if done is None:
+                problem = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
+        elif self._is_plain_deepspeed(path):
+            done = self._plain_deepspeed_record(path)
+        else:
             what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
             why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
             problem = (FileNotFoundError, f"{what}: {why}; load an earlier tag")
-        else:
+        if done is not None:
             # What older releases did not record: the shape is taken to be this run's, and the model to match.
-            done = {**self._run_shape(), "files": {}, "tensors": None, "groups": None, **done}
-            path = os.path.join(load_dir, folder)
-            damage = self._damaged_files(path, done["files"], self.get_rank(), self.world_size)
+            done = {**self._run_shape(), "files": {}, "contents": {}, "tensors": None, "groups": None, **done}
+            damage = self._damaged_files(path, done["files"], done["contents"], self.get_rank(), self.world_size)
             problem = (RuntimeError, f"checkpoint {path} does not load: {damage}") if damage else None
         return folder, done, self._first_of_ranks(problem)
 
-    def _damaged_files(self, folder, sizes, rank, world_size):
+    def _read_record(self, path):
+        """A checkpoint's record, or None if it is damaged (it carries its own CRC; older releases wrote none)."""
+        try:
+            with open(os.path.join(path, DONE_FILE)) as f:
+                done = json.load(f)
+        except (OSError, ValueError):
+            return None
+        crc = done.pop("crc", None)
+        return done if crc in (None, self._record_crc(done)) else None
+
+    def _record_crc(self, done) -> int:
+        return zlib.crc32(json.dumps(done, sort_keys=True).encode())
+
+    def _records_digest(self, path, archive=None) -> int:
+        """The CRC of a zip file's list of records and their CRCs, read from its central directory alone."""
+        if archive is None:
+            with zipfile.ZipFile(path) as archive:
+                return self._records_digest(path, archive)
+        return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
+
+    def _is_plain_deepspeed(self, path) -> bool:
+        """Whether path holds DeepSpeed's files but none of save_ckpt's: a checkpoint of plain DeepSpeed's (or
+        OpenRLHF's) save, not one of save_ckpt's that lost its record."""
+        saved = any(os.path.isfile(os.path.join(path, model_states_file(stage))) for stage in (0, 3))
+        return saved and not os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0)))
+
+    def _plain_deepspeed_record(self, path) -> dict:
+        """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
+        model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits."""
+        name = next(name for name in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, name)))
+        states = torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=False)
+        config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
+        zero = config.get("zero_optimization", {})
+        offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+        accumulate = (config.get("data_types") or {}).get("grad_accum_dtype")
+        bf16 = bool((config.get("bf16") or {}).get("enabled"))
+        shape = dict(world_size=states["dp_world_size"], zero_stage=zero.get("stage", 0), bf16=bf16)
+        return dict(shape, adam_offload=offload, grad_accum_dtype=accumulate, unverified=True)
+
+    def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
-        ({name: bytes}) is there at its size, then the CRCs of its share of the files' records: every
+        ({name: bytes}) is there at its size and holds the records contents names ({name: _records_digest}, where
+        recorded), then the CRCs of its share of the files' records: every
         world_size-th record, from the rank-th on. torch.save writes a zip archive, each tensor a record stored
         uncompressed with its CRC: this computes each CRC straight from the memory-mapped file."""
         record = -1  # the index of each record, counted over all the files
@@ -779,6 +869,10 @@ class DeepspeedStrategy:
                 return f"{path} {state} on {socket.gethostname()}"
             try:
                 with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+                    if contents.get(name, None) not in (None, self._records_digest(path, archive)):
+                        return (
+                            f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
+                        )
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
                         for info in archive.infolist():
                             record += 1
@@ -873,214 +967,6 @@ class DeepspeedStrategy:
             return None
 
     # ---------------------------------------------------------------------------------------------------------
-    # Resuming in another shape. DeepSpeed's own load needs the run shape that saved the checkpoint. For any other,
-    # load_ckpt reads the saved files at load time, rather than saving a second, shape-free copy of every
-    # checkpoint: saving stays as fast and as large as DeepSpeed's. The files are memory-mapped, so a rank reads
-    # only the slices of each tensor it will hold; a full tensor exists only where the new run keeps one whole.
-    # The names of DeepSpeed's saved entries and optimizer attributes below are those of DeepSpeed 0.19.8, the
-    # oldest release requirements.txt allows; the reshape tests fail if a later release renames them.
-    #
-    # Both sides deal in slices of flattened tensors. The saved side is a dict of "pieces": pieces[name, key] lists
-    # (start, piece) pairs, each piece a 1-D tensor holding elements start, start + 1, ... of the flattened saved
-    # tensor. The key is "value" (the fp32 master weight of a trainable parameter, or a frozen parameter or
-    # buffer) or one of Adam's MOMENTS. The loading side is this rank's "owned slices" (_owned_slices): which
-    # elements of which parameter each of its optimizer's flat fp32 tensors holds. _read fills an owned slice from
-    # the pieces that overlap it; _write_tensor writes the 16-bit weights, frozen parameters and buffers alike.
-
-    @torch.no_grad()
-    def _load_in_new_shape(self, engine, ckpt_dir, done, optimizer_states):
-        """Write a checkpoint of another run shape into engine: the fp32 master weights and, with
-        optimizer_states, Adam's moments, step and each group's hyperparameters; frozen parameters and buffers;
-        this rank's 16-bit weights, except at ZeRO 1 and 2, where update_lp_params() must follow on every rank.
-        Returns (the saved model-states file, the dict it holds)."""
-        trainable = {name for names in done["groups"] for name in names}
-        pieces, groups, step, model_states = self._saved_pieces(ckpt_dir, done, trainable)
-        # DeepSpeed's ZeRO and bf16 wrappers hold torch's optimizer (or DeepSpeedCPUAdam) and share its param_groups.
-        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or capturable),
-        # DeepSpeedCPUAdam and FusedAdam in an int.
-        torch_step = type(base).__module__.startswith("torch.")
-        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
-        for name, start, offset, length, master in self._owned_slices(engine):
-            if optimizer_states and not base.state.get(master):  # before the first step the state does not exist
-                base.state[master] = {key: torch.zeros_like(master) for key in MOMENTS}
-            for key in ("value", *MOMENTS) if optimizer_states else ("value",):
-                destination = master if key == "value" else base.state[master][key]
-                destination.view(-1)[offset : offset + length] = self._read(pieces.get((name, key), []), start, length)
-            if optimizer_states:
-                device = master.device if on_device else "cpu"
-                base.state[master]["step"] = torch.tensor(float(step), device=device) if torch_step else step
-        if optimizer_states:
-            for group, saved in zip(base.param_groups, groups, strict=True):
-                # The hyperparameters (lr, betas, weight decay...), not the switches of how a step is computed.
-                switches = {"params", "foreach", "fused", "capturable", "differentiable"}
-                group.update({key: saved[key] for key in (set(group) & set(saved)) - switches})
-        tensors = dict(engine.module.named_parameters())
-        tensors.update((name, b) for name, b in engine.module.named_buffers() if name in done["tensors"])
-        # The 16-bit weights of trainable parameters come from the fp32 masters written above: here at ZeRO 0 and
-        # 3, where each rank writes its own (all, or its partition); at ZeRO 1 and 2 update_lp_params() gathers
-        # them from every rank's shard, once load_ckpt knows that every rank loaded.
-        for name, tensor in tensors.items():
-            if name not in trainable or self.stage in (0, 3):
-                self._write_tensor(tensor, pieces[name, "value"])
-        return os.path.join(ckpt_dir, self._model_states_file(done["zero_stage"])), model_states
-
-    def _model_states_file(self, stage):
-        """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
-        return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-
-    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only):
-        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
-        (not with load_module_only). Leaves in states what that load returns as client_state: what save_ckpt's
-        caller passed, and the entries of DeepSpeed's own that its load leaves there too (ds_config, ...)."""
-        if not load_module_only:
-            if load_lr_scheduler_states and engine.lr_scheduler is not None:
-                engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-            engine.global_steps = states["global_steps"]
-            engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
-            engine.skipped_steps = states["skipped_steps"]
-        deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
-        for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
-            states.pop(key, None)
-
-    def _saved_pieces(self, ckpt_dir, done, trainable):
-        """(pieces, the saved optimizer's param groups, Adam's step, the model-states dict) of a checkpoint whose
-        trainable parameters are named in trainable (the rest are frozen parameters and buffers). Where
-        DeepSpeed puts each tensor depends on the ZeRO stage that saved it:
-        - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
-          (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
-        - 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's moments
-          alike; its param_slice_mappings say where each parameter's fragment lies in it. A parameter's fragments
-          in rank order make it whole.
-        - 3: each rank's optimizer file holds one flat partition per sub-group: each parameter's ZeRO 3 slice, in
-          order. Each rank's model file holds its slices of the frozen parameters."""
-        stage, world_size = done["zero_stage"], done["world_size"]
-
-        def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
-            return torch.load(os.path.join(ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
-
-        # steps: Adam's step count as each group (at stage 0 each parameter) saved it. They are all the run's step
-        # count, except where one never stepped (no gradient yet): so the largest is the one to resume from.
-        pieces, steps = {}, []
-
-        def add(name, start, tensors, offset=0, length=None):
-            """Record each tensor of `tensors` that is a weight or a moment as a piece of `name` from element start
-            on: its flattened elements [offset, offset + length), or all. Anything else (Adam's step) is left out."""
-            for key, tensor in tensors.items():
-                if key in ("value", *MOMENTS):
-                    end = None if length is None else offset + length
-                    pieces.setdefault((name, key), []).append((start, tensor.reshape(-1)[offset:end]))
-
-        model_states = load(self._model_states_file(stage))
-        module = model_states["module"]
-        # Frozen parameters and buffers lie whole in rank 0's model file, except ZeRO 3's frozen parameters (below).
-        for name in done["tensors"]:
-            if name not in trainable and (stage < 3 or name in model_states["buffer_names"]):
-                add(name, 0, {"value": module[name]})
-        if stage == 0:
-            optimizer = model_states["optimizer"]
-            torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps it, with fp32 copies
-            for g, (group, names) in enumerate(zip(torch_state["param_groups"], done["groups"], strict=True)):
-                for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
-                    value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
-                    state = torch_state["state"].get(index, {})  # none for a parameter that never had a gradient
-                    steps.append(state.get("step", 0))
-                    add(name, 0, {"value": value, **state})
-            return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
-        # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
-        # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is
-        # where the next fragment starts.
-        seen = dict.fromkeys(done["tensors"], 0)
-        for rank in range(world_size):
-            # Found by the end of its name: bf16 runs prefix it with bf16_.
-            optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-            saved = load(optimizer_file)["optimizer_state_dict"]  # the ZeRO optimizer's state, around torch's
-            if stage < 3:
-                torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
-                layouts = []  # per group, (name, start, offset, length) of each fragment, as _zero3_layout gives
-                for mapping in saved["param_slice_mappings"]:
-                    layouts.append([])
-                    for name, fragment in mapping.items():
-                        layouts[-1].append((name, seen[name], fragment.start, fragment.numel))
-                        seen[name] += fragment.numel
-            else:
-                torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
-                layouts = [self._zero3_layout(shapes, world_size, rank) for shapes in model_states["param_shapes"]]
-                frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
-                for name, fragment in frozen.items():
-                    start, length, _ = self._zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
-                    add(name, start, {"value": fragment}, 0, length)
-            for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
-                state = torch_state["state"].get(g, {})  # Adam's moments for the flat range, and its step
-                steps.append(state.get("step", 0))
-                for name, start, offset, length in layout:
-                    add(name, start, {"value": flat, **state}, offset, length)
-        return pieces, torch_state["param_groups"], int(max(steps, default=0)), model_states
-
-    def _owned_slices(self, engine):
-        """Each slice of a trainable parameter's fp32 master weight that this rank's optimizer steps, as (name,
-        start, offset, length, master), in the order the saved layouts use: elements [start, start + length) of
-        parameter `name`, flattened, are elements [offset, offset + length) of the flattened tensor `master`,
-        which keys the optimizer's state."""
-        optimizer, rank = engine.optimizer, dist.get_rank()
-        names = {id(p): name for name, p in engine.module.named_parameters()}
-        if self.stage in (1, 2):  # one flat range per group; a parameter's _hp_mapping says which part is its
-            for master, params in zip(optimizer.single_partition_of_fp32_groups, optimizer.bit16_groups, strict=True):
-                for p in params:
-                    # lp: the 16-bit (low-precision) parameter; hp: its fp32 (high-precision) master in the flat range.
-                    if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
-                        lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-                        yield names[id(p)], lp.start, hp.start, lp.numel, master
-        elif self.stage == 3:  # one flat partition per sub-group: each parameter's ZeRO 3 slice, in order
-            for master, params in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups, strict=True):
-                shapes = {names[id(p)]: p.ds_shape for p in params}
-                for name, start, offset, length in self._zero3_layout(shapes, self.world_size, rank):
-                    yield name, start, offset, length, master
-        else:  # torch's optimizer steps the parameters themselves, or at bf16 an fp32 copy of each
-            # fp32: no wrapper, so the masters are the groups' own parameters. bf16: DeepSpeed's wrapper keeps the
-            # 16-bit parameters in fp16_groups (its name for either 16-bit type) and their copies in fp32_groups.
-            masters = getattr(optimizer, "fp32_groups", [group["params"] for group in optimizer.param_groups])
-            for params, copies in zip(getattr(optimizer, "fp16_groups", masters), masters, strict=True):
-                for p, master in zip(params, copies, strict=True):
-                    yield names[id(p)], 0, 0, p.numel(), master
-
-    def _read(self, pieces, start, length):
-        """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies
-        (the moments of a parameter that never had a gradient). Only the slices that overlap are read."""
-        values = torch.zeros(length, dtype=pieces[0][1].dtype if pieces else torch.float32)
-        for piece_start, piece in pieces:
-            low, high = max(start, piece_start), min(start + length, piece_start + piece.numel())
-            if low < high:
-                values[low - start : high - start] = piece[low - piece_start : high - piece_start]
-        return values
-
-    def _zero3_slice(self, numel, world_size, rank):
-        """ZeRO 3's partition of a flattened tensor: each rank holds size = ceil(numel / world_size) elements from
-        rank * size on; elements past numel, at the end of the last ranks' slices, are zero padding. Returns
-        (start, length of the real elements, size)."""
-        size = (numel + world_size - 1) // world_size  # numel / world_size, rounded up
-        return rank * size, max(0, min(size, numel - rank * size)), size
-
-    def _zero3_layout(self, shapes, world_size, rank):
-        """Yields (name, start, offset, length) for each parameter's slice in a ZeRO 3 flat partition, one per
-        sub-group and rank: the parameters' slices one after the other, in order, each taking its full size."""
-        offset = 0
-        for name, shape in shapes.items():
-            start, length, size = self._zero3_slice(math.prod(shape), world_size, rank)
-            yield name, start, offset, length
-            offset += size
-
-    def _write_tensor(self, tensor, pieces):
-        """Write a module's parameter or buffer from the pieces of its flattened values: at ZeRO 3 this rank's
-        partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
-        if hasattr(tensor, "ds_tensor"):  # ZeRO 3: this rank's partition
-            start, length, _ = self._zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
-            tensor.ds_tensor.data.view(-1)[:length] = self._read(pieces, start, length)
-        # The whole tensor: always below ZeRO 3; at ZeRO 3 where it is resident (between uses it is empty).
-        if tensor.numel() == getattr(tensor, "ds_numel", tensor.numel()):
-            tensor.data.copy_(self._read(pieces, 0, tensor.numel()).view(tensor.shape))
-
-    # ---------------------------------------------------------------------------------------------------------
     # Model weights: save_model writes the full weights for use outside training, load_model reads them back
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
@@ -1142,7 +1028,7 @@ class DeepspeedStrategy:
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         folder, name = os.path.split(os.path.abspath(path))
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
-        problem = self._damaged_files(folder, {name: os.path.getsize(path)}, rank, world_size) if zipped else None
+        problem = self._damaged_files(folder, {name: os.path.getsize(path)}, {}, rank, world_size) if zipped else None
         if zero3:
             problem = self._first_of_ranks(problem)
         if problem:
@@ -1174,7 +1060,7 @@ class DeepspeedStrategy:
                 shape = tuple(getattr(tensors[key], "ds_shape", tensors[key].shape))
                 if tuple(value.shape) != shape:
                     raise RuntimeError(f"{source}: {key} has shape {tuple(value.shape)}, the model's {shape}")
-                self._write_tensor(tensors[key], [(0, value.reshape(-1))])  # one piece: all of it, from element 0
+                write_tensor(tensors[key], [Piece(0, value.reshape(-1))])  # one piece: all of it, from element 0
         if missing or unexpected:
             counts = f"{len(missing)} missing keys {missing[:5]} and {len(unexpected)} unexpected keys {unexpected[:5]}"
             self.print(f"loaded {source} with {counts}")
@@ -1229,3 +1115,348 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.skip)
+
+
+# =============================================================================================================
+# The maintainer's part: resuming a checkpoint in another run shape. A learner can stop reading here.
+#
+# DeepSpeed's own load needs the run shape that saved the checkpoint. For any other, load_ckpt reads the saved
+# files at load time, rather than saving a second, shape-free copy of every checkpoint: saving stays as fast and
+# as large as DeepSpeed's. The files are memory-mapped, so a rank reads only the slices of each tensor it will
+# hold; a full tensor exists only where the new run keeps one whole.
+#
+# Both sides deal in slices of flattened tensors. The saved side is a dict of Pieces: pieces[name, key] lists the
+# saved slices of one tensor, key "value" (the fp32 master weight of a trained parameter, a frozen parameter or a
+# buffer) or one of the optimizer's state keys (Adam's exp_avg, exp_avg_sq). The loading side is this rank's
+# Fragments: which elements of which parameter each of its optimizer's fp32 masters holds. read_elements fills a
+# fragment from the pieces that overlap it; write_tensor writes 16-bit weights, frozen parameters and buffers.
+#
+# A worked example: a parameter of 131,584 elements saved by 4 ranks at ZeRO 3 and resumed by 3 ranks at ZeRO 2.
+# ZeRO 3 cut it into 4 slices of 32,896 elements (numel / 4, rounded up): rank r's optimizer file holds elements
+# [32,896 r, 32,896 (r + 1)) of it inside its flat fp32 partition, after the slices of the parameters before it,
+# and Adam's moments at the same offsets. Reading gives 4 pieces per key, starting at 0, 32,896, 65,792, 98,688.
+# ZeRO 2 lays a group's parameters end to end and gives each rank one range of that line; say rank 1's range
+# starts 20,000 elements into this parameter: its fragment is (name, start 20,000, offset 0, length 111,584), and
+# read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into the master.
+# Last, update_lp_params() (every rank) gathers the ranges into each rank's 16-bit weights.
+#
+# What it reads and writes, and the private DeepSpeed 0.19.8 names it relies on (the oldest release that
+# requirements.txt allows; the reshape tests fail if a later release renames them):
+#
+#   saved at           file (per rank where R shows)                    entries read
+#   ZeRO 0             mp_rank_00_model_states.pt                       module; optimizer: torch's state_dict, or at
+#                                                                       bf16 optimizer_state_dict and fp32_groups
+#   ZeRO 1, 2          *zero_pp_rank_R_mp_rank_00_optim_states.pt       base_optimizer_state,
+#                                                                       single_partition_of_fp32_groups,
+#                                                                       param_slice_mappings; frozen: module
+#   ZeRO 3             the same, and zero_pp_rank_R_..._model_states.pt optimizer_state_dict, fp32_flat_groups;
+#                                                                       param_shapes, frozen_param_fragments
+#
+#   written into (engine.optimizer)  when DeepSpeed picks it                    16-bit groups, fp32 masters
+#   torch's optimizer                ZeRO 0, fp32                               its param_groups' parameters
+#   FP16_UnfusedOptimizer            ZeRO 0, bf16                               fp16_groups, fp32_groups
+#   DeepSpeedZeroOptimizer           ZeRO 1 and 2, but for the next row         bit16_groups,
+#                                                                               single_partition_of_fp32_groups
+#   BF16_Optimizer                   ZeRO 1, bf16, grad_accum_dtype fp32        bf16_groups,
+#                                                                               fp32_groups_flat_partition
+#   DeepSpeedZeroOptimizer_Stage3    ZeRO 3                                     fp16_groups,
+#                                                                               fp32_partitioned_groups_flat
+#   none (an eval engine)            prepare(model)                             the weights alone
+#
+# The optimizer inside (the base) is torch's Adam or AdamW, whose state is exp_avg, exp_avg_sq (and with amsgrad
+# max_exp_avg_sq), or DeepSpeedCPUAdam (exp_avg, exp_avg_sq); both count a step. Anything else is refused by name
+# before any state changes.
+
+# The wrappers by class name: (the attribute holding each group's 16-bit parameters, the one holding its masters).
+WRAPPERS = {
+    "FP16_UnfusedOptimizer": ("fp16_groups", "fp32_groups"),
+    "DeepSpeedZeroOptimizer": ("bit16_groups", "single_partition_of_fp32_groups"),
+    "BF16_Optimizer": ("bf16_groups", "fp32_groups_flat_partition"),
+    "DeepSpeedZeroOptimizer_Stage3": ("fp16_groups", "fp32_partitioned_groups_flat"),
+}
+FLAT_RANGES = ("DeepSpeedZeroOptimizer", "BF16_Optimizer")  # one flat range per group, cut by each rank's share
+
+
+class Piece(NamedTuple):
+    """Elements [start, start + len(values)) of a flattened saved tensor."""
+
+    start: int
+    values: torch.Tensor  # 1-D
+
+
+class Fragment(NamedTuple):
+    """Elements [start, start + length) of parameter `name`, flattened, which lie at [offset, offset + length) of a
+    flat tensor: a saved fp32 partition, or a master this rank's optimizer steps."""
+
+    name: str
+    start: int
+    offset: int
+    length: int
+
+
+class SavedCheckpoint(NamedTuple):
+    pieces: dict  # (name, key) -> [Piece]
+    groups: list  # the saved optimizer's param groups (their hyperparameters), as the record's "groups" names them
+    step: int  # the optimizer's step count to resume from
+    state_keys: set  # the optimizer's per-parameter state keys besides its step
+    model_states: dict  # the saved model-states file: the counters, the scheduler and client_state
+
+
+class ReshapingReader:
+    """Writes a checkpoint saved in any run shape into an engine (see the section's header): the fp32 masters and,
+    with optimizer_states, the optimizer's state, step and each group's hyperparameters; frozen parameters and
+    buffers; the 16-bit weights, except where update_lp_params() must follow on every rank (finish())."""
+
+    def __init__(self, engine, ckpt_dir: str, done: dict):
+        self.engine, self.ckpt_dir, self.done = engine, ckpt_dir, done
+        self.optimizer = training_optimizer(engine)
+        self.kind = type(self.optimizer).__name__
+
+    @torch.no_grad()
+    def load(self, loadable: set, optimizer_states: bool) -> dict:
+        """Write the tensors named in loadable (the rest keep their values), and with optimizer_states (which needs
+        an optimizer) the optimizer's state; returns the saved model states. Every check that can refuse comes
+        first, so a refusal leaves the engine as it was."""
+        saved = self.read_saved()
+        fragments = list(self.owned_fragments()) if self.optimizer is not None else []
+        base = getattr(self.optimizer, "optimizer", self.optimizer)  # the wrappers hold torch's or DeepSpeed's Adam
+        if optimizer_states:
+            keys = self.state_keys(base, saved)
+            matches = self.match_groups()
+        # Checked: from here on only writes.
+        for fragment, master in fragments:
+            if fragment.name not in loadable:
+                continue
+            name, start, offset, length = fragment
+            master.view(-1)[offset : offset + length] = read_elements(saved.pieces[name, "value"], start, length)
+            if optimizer_states:
+                state = base.state[master]  # torch's optimizers make an entry for any key asked for
+                for key in keys:
+                    state.setdefault(key, torch.zeros_like(master))
+                    state[key].view(-1)[offset : offset + length] = read_elements(
+                        saved.pieces.get((name, key), []), start, length
+                    )
+                # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
+                # capturable), DeepSpeedCPUAdam in an int.
+                on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+                device = master.device if on_device else "cpu"
+                is_torch = type(base).__module__.startswith("torch.")
+                state["step"] = torch.tensor(float(saved.step), device=device) if is_torch else saved.step
+        if optimizer_states:
+            for group, match in zip(base.param_groups, matches, strict=True):
+                if match is not None:  # the hyperparameters, not the switches of how a step is computed
+                    switches = {"params", "foreach", "fused", "capturable", "differentiable"}
+                    group.update({key: value for key, value in saved.groups[match].items() if key not in switches})
+        # The 16-bit weights of trained parameters come from their masters: written here where this rank holds
+        # the whole master (or its ZeRO 3 partition); where a flat range cuts them, finish() gathers them.
+        cut = self.trained_names() if self.kind in FLAT_RANGES else set()
+        module = self.engine.module
+        tensors = dict(module.named_parameters())
+        tensors.update((name, b) for name, b in module.named_buffers() if name in self.done["tensors"])
+        for name, tensor in tensors.items():
+            if name in loadable and name not in cut:
+                write_tensor(tensor, saved.pieces[name, "value"])
+        return saved.model_states
+
+    def finish(self) -> None:
+        """After every rank loaded: each rank's masters into every rank's 16-bit weights (collective)."""
+        if self.kind in FLAT_RANGES:
+            self.optimizer.update_lp_params()
+
+    def groups_and_masters(self):
+        """(each group's 16-bit parameters, each group's fp32 masters) of this engine's optimizer (the table)."""
+        if self.kind in WRAPPERS:
+            params, masters = WRAPPERS[self.kind]
+            return getattr(self.optimizer, params), getattr(self.optimizer, masters)
+        if isinstance(self.optimizer, torch.optim.Optimizer) and self.engine.zero_optimization_stage() == 0:
+            params = [group["params"] for group in self.optimizer.param_groups]
+            return params, params  # fp32 at ZeRO 0: the parameters are their own masters
+        readable = ", ".join(["torch's optimizer at ZeRO 0", *WRAPPERS])
+        why = f"load_ckpt resumes another run shape into {readable}; this engine's optimizer is {self.kind}"
+        raise ValueError(f"{why}: resume in the checkpoint's own shape ({self.done['zero_stage']=})")
+
+    def trained_names(self) -> set:
+        names = {id(p): name for name, p in self.engine.module.named_parameters()}
+        return {names[id(p)] for params in self.groups_and_masters()[0] for p in params}
+
+    def owned_fragments(self):
+        """Each fragment of a trained parameter that this rank's optimizer steps, with the master holding it."""
+        names = {id(p): name for name, p in self.engine.module.named_parameters()}
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        for params, master in zip(*self.groups_and_masters(), strict=True):
+            if self.kind in FLAT_RANGES:  # a parameter's _hp_mapping says which part of the range is its
+                for p in params:
+                    if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
+                        # lp: the 16-bit (low-precision) parameter; hp: its fp32 (high-precision) master.
+                        lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
+                        yield Fragment(names[id(p)], lp.start, hp.start, lp.numel), master
+            elif self.kind == "DeepSpeedZeroOptimizer_Stage3":  # a flat partition per sub-group
+                shapes = {names[id(p)]: p.ds_shape for p in params}
+                for fragment in zero3_layout(shapes, world_size, rank):
+                    yield fragment, master
+            else:  # ZeRO 0: whole parameters, their masters a list alike
+                for p, copy in zip(params, master, strict=True):
+                    yield Fragment(names[id(p)], 0, 0, p.numel()), copy
+
+    def state_keys(self, base, saved: SavedCheckpoint) -> set:
+        """The state keys this run's optimizer steps with, which must be the saved ones: refuses otherwise."""
+        amsgrad = any(group.get("amsgrad") for group in saved.groups)  # the saved hyperparameters come along
+        if isinstance(base, deepspeed.ops.adam.DeepSpeedCPUAdam):
+            expected = set(MOMENTS)
+        elif type(base) in (torch.optim.Adam, torch.optim.AdamW):
+            expected = set(MOMENTS) | ({"max_exp_avg_sq"} if amsgrad else set())
+        else:
+            why = f"load_ckpt carries the state of torch's Adam and AdamW and of DeepSpeedCPUAdam, not {type(base)}"
+            raise ValueError(f"{why}: resume in the checkpoint's own shape, or pass load_optimizer_states=False")
+        if saved.state_keys and saved.state_keys != expected:
+            differ = f"saved {sorted(saved.state_keys)}, {type(base).__name__} here steps with {sorted(expected)}"
+            raise ValueError(f"checkpoint {self.ckpt_dir} holds other optimizer state: {differ}")
+        return expected
+
+    def match_groups(self) -> list:
+        """For each of this run's optimizer groups, the saved group holding its parameters (None if it holds
+        none of them): groups are matched by their parameters' names, never by position."""
+        here, saved = self.engine.param_group_names, self.done["groups"]
+        matches = []
+        for names in here:
+            owners = {index for index, saved_names in enumerate(saved) for name in names if name in saved_names}
+            if len(owners) > 1:
+                why = f"this run groups the parameters otherwise: saved {saved}, here {here}"
+                raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match: {why}")
+            matches.append(owners.pop() if owners else None)
+        return matches
+
+    def read_saved(self) -> SavedCheckpoint:
+        """The checkpoint's pieces and optimizer state. Where DeepSpeed puts each tensor depends on the ZeRO stage
+        that saved it:
+        - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
+          (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
+        - 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's moments
+          alike; its param_slice_mappings say where each parameter's fragment lies in it. A parameter's fragments
+          in rank order make it whole.
+        - 3: each rank's optimizer file holds one flat partition per sub-group: each parameter's ZeRO 3 slice, in
+          order. Each rank's model file holds its slices of the frozen parameters.
+        Frozen parameters and buffers lie whole in rank 0's model file below ZeRO 3."""
+        stage, world_size, done = self.done["zero_stage"], self.done["world_size"], self.done
+
+        def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
+            return torch.load(os.path.join(self.ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
+
+        pieces, steps, state_keys = {}, [], set()
+
+        def add(name, start, tensors, offset=0, length=None):
+            """Record each tensor of `tensors` but the step as a piece of `name` from element start on: its
+            flattened elements [offset, offset + length), or all."""
+            for key, tensor in tensors.items():
+                if key != "step":
+                    end = None if length is None else offset + length
+                    pieces.setdefault((name, key), []).append(Piece(start, tensor.reshape(-1)[offset:end]))
+
+        def add_state(name, start, state, offset=0, length=None):
+            """The optimizer's state of one parameter (ZeRO 0) or flat range (ZeRO 1-3): its moments and its
+            step. Steps are all the run's step count, except where a parameter never had a gradient (none yet):
+            so the largest is the one to resume from."""
+            steps.append(state.get("step", 0))
+            state_keys.update(key for key in state if key != "step")
+            add(name, start, state, offset, length)
+
+        model_states = load(model_states_file(stage))
+        module = model_states["module"]
+        if stage == 0:
+            optimizer = model_states["optimizer"]
+            torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps it, with fp32 copies
+            for g, (group, names) in enumerate(zip(torch_state["param_groups"], done["groups"], strict=True)):
+                for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
+                    value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
+                    add(name, 0, {"value": value})
+                    if index in torch_state["state"]:  # none for a parameter that never had a gradient
+                        add_state(name, 0, torch_state["state"][index])
+        # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
+        # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is
+        # where the next fragment starts.
+        seen = dict.fromkeys(done["tensors"], 0)
+        for rank in range(world_size if stage > 0 else 0):
+            # Found by the end of its name: bf16 runs prefix it with bf16_.
+            optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+            saved = load(optimizer_file)["optimizer_state_dict"]  # the ZeRO optimizer's state, around torch's
+            if stage < 3:
+                torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
+                layouts = []  # per group, a Fragment of each parameter, as zero3_layout gives them
+                for mapping in saved["param_slice_mappings"]:
+                    layouts.append([])
+                    for name, fragment in mapping.items():
+                        layouts[-1].append(Fragment(name, seen[name], fragment.start, fragment.numel))
+                        seen[name] += fragment.numel
+            else:
+                torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
+                layouts = [zero3_layout(shapes, world_size, rank) for shapes in model_states["param_shapes"]]
+                frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
+                for name, fragment in frozen.items():
+                    start, length, _ = zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
+                    add(name, start, {"value": fragment}, 0, length)
+            for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
+                for name, start, offset, length in layout:
+                    add(name, start, {"value": flat}, offset, length)
+                    add_state(name, start, torch_state["state"].get(g, {}), offset, length)
+            groups = torch_state["param_groups"]
+        if stage == 0:
+            groups = torch_state["param_groups"]
+        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies in the
+        # module, or at ZeRO 3 among the frozen fragments read above, like the buffers.
+        for name in done["tensors"]:
+            if (name, "value") not in pieces and (stage < 3 or name in model_states["buffer_names"]):
+                add(name, 0, {"value": module[name]})
+            if (name, "value") not in pieces:
+                raise ValueError(f"checkpoint {self.ckpt_dir} holds no value of {name}: it was not saved whole")
+        return SavedCheckpoint(pieces, groups, int(max(steps, default=0)), state_keys, model_states)
+
+
+def training_optimizer(engine):
+    """The engine's optimizer; None in an eval engine (prepare(model)), which at ZeRO 3 holds DeepSpeed's weight
+    gatherer, DeepSpeedZeRoOffload, in its place."""
+    return None if type(engine.optimizer).__name__ == "DeepSpeedZeRoOffload" else engine.optimizer
+
+
+def model_states_file(stage: int) -> str:
+    """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
+    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def read_elements(pieces, start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies (the
+    moments of a parameter that never had a gradient). Only the slices that overlap are read."""
+    values = torch.zeros(length, dtype=pieces[0].values.dtype if pieces else torch.float32)
+    for piece_start, piece in pieces:
+        low, high = max(start, piece_start), min(start + length, piece_start + piece.numel())
+        if low < high:
+            values[low - start : high - start] = piece[low - piece_start : high - piece_start]
+    return values
+
+
+def zero3_slice(numel: int, world_size: int, rank: int):
+    """ZeRO 3's partition of a flattened tensor: each rank holds size = ceil(numel / world_size) elements from
+    rank * size on; elements past numel, at the end of the last ranks' slices, are zero padding. Returns (start,
+    length of the real elements, size)."""
+    size = (numel + world_size - 1) // world_size  # numel / world_size, rounded up
+    return rank * size, max(0, min(size, numel - rank * size)), size
+
+
+def zero3_layout(shapes: dict, world_size: int, rank: int):
+    """A Fragment for each parameter's slice in a ZeRO 3 flat partition, one partition per sub-group and rank:
+    the parameters' slices one after the other, in order, each taking its full size."""
+    offset = 0
+    for name, shape in shapes.items():
+        start, length, size = zero3_slice(math.prod(shape), world_size, rank)
+        yield Fragment(name, start, offset, length)
+        offset += size
+
+
+def write_tensor(tensor, pieces) -> None:
+    """Write a module's parameter or buffer from the pieces of its flattened values: at ZeRO 3 this rank's
+    partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
+    if hasattr(tensor, "ds_tensor"):  # ZeRO 3: this rank's partition
+        start, length, _ = zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
+        tensor.ds_tensor.data.view(-1)[:length] = read_elements(pieces, start, length)
+    # The whole tensor: always below ZeRO 3; at ZeRO 3 where it is resident (between uses it is empty).
+    if tensor.numel() == getattr(tensor, "ds_numel", tensor.numel()):
+        tensor.data.copy_(read_elements(pieces, 0, tensor.numel()).view(tensor.shape))

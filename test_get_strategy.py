@@ -56,6 +56,7 @@ What the tests establish (two ranks over gloo unless noted):
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import random
@@ -541,7 +542,7 @@ def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
         flip_a_bit_in_the_largest_tensor(damaged / "b.pt", record)
         for world_size in (1, 2, 3, 7):
             sizes = {name: (damaged / name).stat().st_size for name in ("a.pt", "b.pt")}
-            found = [strategy._damaged_files(str(damaged), sizes, r, world_size) for r in range(world_size)]
+            found = [strategy._damaged_files(str(damaged), sizes, {}, r, world_size) for r in range(world_size)]
             assert sum(f is not None for f in found) == 1, (record.filename, world_size, found)
             assert "b.pt is damaged (Bad CRC-32" in next(f for f in found if f)
 
@@ -821,7 +822,7 @@ def test_a_checkpoint_of_the_previous_release_resumes_in_its_shape_and_says_why_
     shutil.copytree(out / "ckpt", old)
     record_file = old / (old / "latest").read_text() / "checkpoint_complete.json"
     record = json.loads(record_file.read_text())
-    for key in ("adam_offload", "tensors", "groups"):  # what release 0.14 did not record
+    for key in ("adam_offload", "tensors", "groups", "grad_accum_dtype", "contents", "crc"):  # not in release 0.14
         del record[key]
     record_file.write_text(json.dumps(record))
     assert_resumed_like(resume_at_step_3(2, str(old)), uninterrupted, rel=1e-6)  # saved at ZeRO 2 on one rank
@@ -930,9 +931,9 @@ def test_rotation_evicts_the_oldest_by_size_under_max_mem(core_run):
     assert got["by_size"] == ["global_step1-2", "global_step1-3"]
 
 
-def test_loading_a_missing_or_incomplete_checkpoint_fails_on_every_rank_naming_the_folder(core_run):
+def test_a_folder_without_checkpoints_loads_nothing_and_an_incomplete_checkpoint_fails_on_every_rank(core_run):
     for got in case(core_run, "load_errors"):
-        assert got["missing"].startswith("FileNotFoundError: no checkpoint to resume in ") and "empty" in got["missing"]
+        assert got["missing"] == (None, {})  # what OpenRLHF's trainers from 0.9.10 on check for a fresh start
         assert got["incomplete"].startswith("FileNotFoundError: checkpoint ") and "half" in got["incomplete"]
         assert "is missing or incomplete" in got["incomplete"]
 
@@ -1693,6 +1694,405 @@ def test_zero3_weights_load_into_plain_torch_and_give_the_reported_held_out_loss
 
 
 # =============================================================================================================
+# load_ckpt under review: each case is a way a real caller once got a crash or a silent wrong result. One launch
+# of two ranks ("review"): a ZeRO 2 run of ReshapeModel saves after 2 steps, keeping DeepSpeed's own view of its
+# state as the reference (the fp32 masters and optimizer state through DeepSpeed's getters, and state_dict());
+# each case resumes it into another engine and compares.
+
+REVIEW_TARGETS = {  # every optimizer class DeepSpeed 0.19.8 builds for the flags: (stage, flags, its class)
+    "zero0_fp32": (0, {}, "AdamW"),
+    "zero0_bf16": (0, {"bf16": True}, "FP16_UnfusedOptimizer"),
+    "zero1_bf16_fp32_accum": (1, {"bf16": True, "grad_accum_dtype": "fp32"}, "BF16_Optimizer"),
+    "zero1_bf16": (1, {"bf16": True}, "DeepSpeedZeroOptimizer"),
+    "zero2_offload": (2, {"adam_offload": True}, "DeepSpeedZeroOptimizer"),
+    "zero3_bf16": (3, {"bf16": True}, "DeepSpeedZeroOptimizer_Stage3"),
+    "zero3_offload": (3, {"adam_offload": True}, "DeepSpeedZeroOptimizer_Stage3"),
+}
+
+
+class ReshapeModelChanged(ReshapeModel):
+    """ReshapeModel with one output more (out's shapes change) and a parameter the checkpoint lacks."""
+
+    def __init__(self, init_seed=1234):
+        super().__init__(init_seed)
+        self.out = torch.nn.Linear(RESHAPE_WIDTH, OUTPUTS + 1)
+        self.extra = torch.nn.Parameter(torch.randn(3))
+
+
+@pytest.fixture(scope="module")
+def review_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("review")
+    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "review", str(out)), 600)
+    assert returncode == 0, output[-5000:]
+    return [read_results(out, rank) for rank in range(WORLD)]
+
+
+def review_case(review_run, name):
+    for rank, result in enumerate(review_run):
+        assert name in result, f"rank {rank} failed in case {name}:\n{result['errors'].get(name)}"
+    return review_run[0][name], review_run[0]["saved"]
+
+
+def assert_same_state(got, expected, names=None, dtype=torch.float32):
+    """Every tensor of expected (by name, or only names) equals got's exactly, or after rounding to dtype."""
+    for name in expected if names is None else names:
+        assert name in got, name
+        for key, value in expected[name].items() if isinstance(expected[name], dict) else [(None, expected[name])]:
+            loaded = got[name][key] if key is not None else got[name]
+            rounded = value.to(dtype).float()  # a weight in the engine's dtype; a buffer may stay in fp32
+            assert torch.equal(loaded, rounded) or torch.equal(loaded, value), (name, key, (loaded - value).abs().max())
+
+
+def test_every_optimizer_class_deepspeed_builds_for_accepted_flags_is_one_the_reader_writes_into(review_run):
+    import get_strategy as gs
+
+    built, _ = review_case(review_run, "classes")  # (stage, bf16, grad_accum_dtype, adam_offload) -> class or error
+    assert not [(flags, kind) for flags, kind in built.items() if kind.startswith("error")], built
+    assert set(built.values()) == {"AdamW", *gs.WRAPPERS}  # the reader's table, no more, no less
+    assert set(built.values()) == {kind for _, _, kind in REVIEW_TARGETS.values()}  # each resumed into below
+
+
+@pytest.mark.parametrize("name", REVIEW_TARGETS)
+def test_a_zero_2_checkpoint_resumes_into_every_optimizer_class_with_the_saved_masters_and_moments(review_run, name):
+    got, saved = review_case(review_run, f"target_{name}")
+    assert got["kind"] == REVIEW_TARGETS[name][2]
+    assert_same_state(got["optimizer"], saved["optimizer"])  # fp32 masters and moments, exactly
+    assert_same_state(got["tensors"], saved["tensors"], dtype=got["dtype"])  # weights, frozen layer, buffer
+    assert got["step"] == 2 and got["stepped"]  # and the next step runs
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_a_layer_frozen_after_a_warm_start_gets_the_checkpoints_weights(review_run, stage):
+    got, saved = review_case(review_run, f"frozen_{stage}")
+    assert not got["first_trains"]
+    assert_same_state(got["tensors"], saved["tensors"])
+
+
+def test_a_frozen_parameter_a_user_optimizer_lists_resumes_at_zero_3(review_run):
+    got, saved = review_case(review_run, "frozen_listed")
+    assert_same_state(got["tensors"], got["saved_tensors"])
+    assert_same_state(got["optimizer"], got["saved_optimizer"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_without_strict_loading_what_matches_by_name_and_shape_loads_and_the_rest_keeps_its_values(review_run, stage):
+    got, saved = review_case(review_run, f"not_strict_{stage}")
+    changed = ["out.weight", "out.bias", "extra"]
+    assert_same_state(got["tensors"], saved["tensors"], names=[n for n in saved["tensors"] if n not in changed])
+    assert_same_state(got["tensors"], got["initial"], names=changed)  # as initialised, never scrambled
+    assert "kept as they were: ['extra', 'out.bias', 'out.weight']" in got["printed"], got["printed"]
+    assert "not loaded: ['out.bias', 'out.weight']" in got["printed"], got["printed"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("module_only", [True, False])
+def test_an_eval_engine_loads_a_training_checkpoints_weights(review_run, stage, module_only):
+    got, saved = review_case(review_run, f"eval_{stage}_{module_only}")
+    assert got["stage"] == stage
+    assert_same_state(got["tensors"], saved["tensors"])
+
+
+def test_a_plain_deepspeed_checkpoint_resumes_in_its_own_shape_with_a_warning_and_is_refused_in_another(review_run):
+    got, _ = review_case(review_run, "plain")
+    assert_same_state(got["optimizer"], got["saved_optimizer"])
+    assert_same_state(got["tensors"], got["saved_tensors"])
+    assert got["global_steps"] == 2
+    assert "has no checkpoint_complete.json (a plain DeepSpeed checkpoint)" in got["printed"]
+    assert "unverified" in got["printed"]
+    for rank in review_run:
+        refused = rank["plain"]["other_shape"]
+        assert refused.startswith("ValueError: ") and "plain DeepSpeed checkpoint" in refused, refused
+        assert "'zero_stage': 2" in refused and "save_ckpt once" in refused, refused
+
+
+def test_amsgrads_state_resumes_in_another_shape_and_an_optimizer_without_it_is_refused_unchanged(review_run):
+    got, _ = review_case(review_run, "amsgrad")
+    assert "max_exp_avg_sq" in got["saved_optimizer"]["first.weight"]
+    assert_same_state(got["optimizer"], got["saved_optimizer"])
+    assert got["stepped"]
+    for rank in review_run:
+        refused = rank["amsgrad"]["offload"]
+        assert "max_exp_avg_sq" in refused and "DeepSpeedCPUAdam" in refused, refused
+    assert_same_state(got["offload_after"], got["offload_before"])  # the refusal changed nothing
+
+
+def test_optimizer_groups_are_matched_by_their_parameters_names_and_another_grouping_is_refused(review_run):
+    got, _ = review_case(review_run, "groups")
+    assert got["weight_decay"] == [0.0, WEIGHT_DECAY]  # this run lists the groups in the other order
+    for rank in review_run:
+        refused = rank["groups"]["one_group"]
+        assert "optimizer groups do not match" in refused and "saved [[" in refused and "here [[" in refused
+
+
+def test_a_file_copied_in_from_another_checkpoint_or_a_damaged_record_is_named_and_latest_falls_back(review_run):
+    got, _ = review_case(review_run, "integrity")
+    assert got["same_size"]  # so only the record's contents can tell the files apart
+    for rank in review_run:
+        copied = rank["integrity"]["copied"]
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is not the file this checkpoint saved" in copied, copied
+    assert got["latest_missing"] == 3 and "resuming from global_step3 instead" in got["latest_missing_printed"]
+    assert got["record_damaged"] == 2
+    assert "checkpoint_complete.json is damaged" in got["record_damaged_printed"]
+
+
+def optimizer_snapshot(engine):
+    """Each trained parameter's fp32 master ("value") and optimizer state by name, as float32 CPU copies: through
+    DeepSpeed's public getters at ZeRO 1-3, and at ZeRO 0, where they return None, from the optimizer's own
+    tensors. All ranks must call it."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    optimizer = engine.optimizer
+    base = getattr(optimizer, "optimizer", optimizer)
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    snapshot = {}
+    if engine.zero_optimization_stage() == 0:
+        masters = getattr(optimizer, "fp32_groups", [group["params"] for group in optimizer.param_groups])
+        for params, copies in zip(getattr(optimizer, "fp16_groups", masters), masters):
+            for p, master in zip(params, copies):
+                state = {key: value for key, value in base.state.get(master, {}).items() if key != "step"}
+                snapshot[names[id(p)]] = {
+                    key: t.detach().float().cpu().clone() for key, t in {"value": master, **state}.items()
+                }
+        return snapshot
+    if hasattr(optimizer, "_hp_optimizer_states_linked"):  # ZeRO 1 and 2, BF16_Optimizer
+        # DeepSpeed links each parameter to its optimizer state once, after its first group's first step, when
+        # the other groups have no state yet (so their getters raise): link them again, with DeepSpeed's own code.
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+    amsgrad = any(group.get("amsgrad") for group in base.param_groups)
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            snapshot[name] = {"value": safe_get_full_fp32_param(p).float().cpu()}
+            if any(base.state.values()):  # after the first step, or a load
+                snapshot[name].update((key, safe_get_full_optimizer_state(p, key).float().cpu()) for key in keys)
+    return snapshot
+
+
+def review_engine(strategy, init_seed, model_class=ReshapeModel, freeze=(), groups="create_optimizer", **kwargs):
+    model = model_class(init_seed)
+    for name in freeze:
+        model.get_submodule(name).requires_grad_(False)
+    options = dict(lr=LR, betas=BETAS, eps=EPS, **kwargs)
+    if groups == "all":  # a user's optimizer over every parameter, frozen ones too, in one group
+        optimizer = torch.optim.AdamW(model.parameters(), **options)
+    elif groups == "reversed":  # create_optimizer's two groups, listed the other way round
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": WEIGHT_DECAY}]
+        optimizer = torch.optim.AdamW(groups, **options)
+    else:
+        optimizer = strategy.create_optimizer(model, weight_decay=WEIGHT_DECAY, **options)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    return strategy.prepare((model, optimizer, scheduler))
+
+
+def review_strategy(stage, **flags):
+    return new_strategy(stage, train_batch_size=RESHAPE_TRAIN, **flags)
+
+
+def review_save(ckpt, stage=2, plain=False, **engine_kwargs):
+    """2 steps of ReshapeModel at ZeRO stage, saved to ckpt; returns the state DeepSpeed reports."""
+    strategy = review_strategy(stage)
+    engine, optimizer, scheduler = review_engine(strategy, 1234, **engine_kwargs)
+    reshape_train(strategy, engine, optimizer, scheduler, 2)
+    if plain:  # DeepSpeed's own save, as OpenRLHF's strategy calls it: latest and global_step2/, no record
+        engine.save_checkpoint(ckpt)
+    else:
+        strategy.save_ckpt(engine, ckpt, client_state={"consumed_samples": 2 * RESHAPE_TRAIN})
+    return dict(tensors=full_state(engine), optimizer=optimizer_snapshot(engine))
+
+
+def load_printing(strategy, engine, ckpt, **kwargs):
+    """load_ckpt, returning what rank 0 printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        strategy.load_ckpt(engine, ckpt, **kwargs)
+    return printed.getvalue()
+
+
+def error_of(function, *args, **kwargs):
+    try:
+        function(*args, **kwargs)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def review_classes():
+    """The optimizer class DeepSpeed builds for every combination of flags the constructor accepts."""
+    classes = {}
+    for stage, bf16, accumulate, offload in itertools.product(
+        range(4), (False, True), (None, "fp32", "bf16", "fp16"), (False, True)
+    ):
+        try:
+            strategy = review_strategy(stage, bf16=bf16, grad_accum_dtype=accumulate, adam_offload=offload)
+        except ValueError:  # refused by the constructor: not a configuration to resume into
+            continue
+        model = torch.nn.Linear(4, 4)
+        try:
+            engine, *_ = strategy.prepare((model, strategy.create_optimizer(model, lr=LR), None))
+            classes[stage, bf16, accumulate, offload] = type(engine.optimizer).__name__
+        except Exception as error:
+            classes[stage, bf16, accumulate, offload] = f"error {error!r}"
+    return classes
+
+
+def review_integrity(rank, ckpt):
+    import torch.distributed as dist
+
+    strategy = review_strategy(2)
+    engine, optimizer, scheduler = review_engine(strategy, 1234)
+    loader = iter(strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False))
+    for _ in range(2):
+        train(strategy, engine, optimizer, scheduler, loader, 1)
+        strategy.save_ckpt(engine, ckpt)  # global_step1, global_step2
+    train(strategy, engine, optimizer, scheduler, loader, 1)
+    strategy.save_ckpt(engine, ckpt)  # global_step3
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    newest, older = os.path.join(ckpt, "global_step3", shard), os.path.join(ckpt, "global_step2", shard)
+    got = dict(same_size=os.path.getsize(newest) == os.path.getsize(older))
+    if rank == 0:
+        shutil.copy(newest, newest + ".kept")
+        shutil.copy(older, newest)
+    dist.barrier()
+    got["copied"] = error_of(strategy.load_ckpt, engine, ckpt, tag="global_step3")
+    dist.barrier()
+    if rank == 0:
+        os.replace(newest + ".kept", newest)
+        with open(os.path.join(ckpt, "latest"), "w") as f:
+            f.write("global_step99")
+    dist.barrier()
+    got["latest_missing_printed"] = load_printing(strategy, engine, ckpt)
+    got["latest_missing"] = engine.global_steps
+    dist.barrier()
+    if rank == 0:  # one digit of the record's first file size changed: still valid JSON
+        with open(os.path.join(ckpt, "latest"), "w") as f:
+            f.write("global_step3")
+        record = os.path.join(ckpt, "global_step3", "checkpoint_complete.json")
+        text = open(record).read()
+        at = text.index('"files"') + text[text.index('"files"') :].index(": ", 10) + 2
+        with open(record, "w") as f:
+            f.write(text[:at] + ("1" if text[at] != "1" else "2") + text[at + 1 :])
+    dist.barrier()
+    got["record_damaged_printed"] = load_printing(strategy, engine, ckpt)
+    got["record_damaged"] = engine.global_steps
+    return got
+
+
+def review_target(z2, name):
+    stage, flags, _ = REVIEW_TARGETS[name]
+    strategy = review_strategy(stage, **flags)
+    engine, optimizer, scheduler = review_engine(strategy, 999)
+    _, client_state = strategy.load_ckpt(engine, z2)
+    got = dict(kind=type(engine.optimizer).__name__, optimizer=optimizer_snapshot(engine), tensors=full_state(engine))
+    got.update(dtype=next(engine.module.parameters()).dtype, step=engine.global_steps)
+    reshape_train(strategy, engine, optimizer, scheduler, 1, client_state["consumed_samples"])
+    return dict(got, stepped=engine.global_steps == 3)
+
+
+def review_frozen(z2, stage):
+    """Warm-started from the checkpoint, then the first layer frozen."""
+    strategy = review_strategy(stage)
+    engine, _, _ = review_engine(strategy, 999, freeze=("first",))
+    strategy.load_ckpt(engine, z2, load_module_only=True)
+    return dict(tensors=full_state(engine), first_trains=engine.module.first.weight.requires_grad)
+
+
+def review_frozen_listed(out):
+    listed = review_save(os.path.join(out, "listed"), groups="all")
+    strategy = review_strategy(3)
+    engine, _, _ = review_engine(strategy, 999, groups="all")
+    strategy.load_ckpt(engine, os.path.join(out, "listed"))
+    got = dict(tensors=full_state(engine), optimizer=optimizer_snapshot(engine))
+    return dict(got, saved_tensors=listed["tensors"], saved_optimizer=listed["optimizer"])
+
+
+def review_not_strict(z2, stage):
+    strategy = review_strategy(stage)
+    engine, _, _ = review_engine(strategy, 999, model_class=ReshapeModelChanged)
+    initial = full_state(engine)
+    printed = load_printing(strategy, engine, z2, load_module_strict=False)
+    return dict(tensors=full_state(engine), initial=initial, printed=printed)
+
+
+def review_eval(z2, stage, module_only):
+    strategy = review_strategy(stage)  # its eval engines: stage 0 when training uses 2, 3 when it uses 3
+    engine = strategy.prepare(ReshapeModel(999))
+    strategy.load_ckpt(engine, z2, load_module_only=module_only)
+    return dict(stage=engine.zero_optimization_stage(), tensors=full_state(engine))
+
+
+def review_plain(out):
+    plain = review_save(os.path.join(out, "plain"), plain=True)
+    strategy = review_strategy(2)
+    engine, _, _ = review_engine(strategy, 999)
+    printed = load_printing(strategy, engine, os.path.join(out, "plain"))
+    got = dict(tensors=full_state(engine), optimizer=optimizer_snapshot(engine), global_steps=engine.global_steps)
+    got.update(saved_tensors=plain["tensors"], saved_optimizer=plain["optimizer"], printed=printed)
+    strategy = review_strategy(3)
+    engine, _, _ = review_engine(strategy, 999)
+    return dict(got, other_shape=error_of(strategy.load_ckpt, engine, os.path.join(out, "plain")))
+
+
+def review_amsgrad(out):
+    ams = review_save(os.path.join(out, "ams"), amsgrad=True)
+    strategy = review_strategy(3)
+    engine, optimizer, scheduler = review_engine(strategy, 999, amsgrad=True)
+    strategy.load_ckpt(engine, os.path.join(out, "ams"))
+    got = dict(optimizer=optimizer_snapshot(engine), saved_optimizer=ams["optimizer"])
+    reshape_train(strategy, engine, optimizer, scheduler, 1, 2 * RESHAPE_TRAIN)
+    got["stepped"] = engine.global_steps == 3
+    strategy = review_strategy(1, adam_offload=True)
+    engine, _, _ = review_engine(strategy, 999)
+    got["offload_before"] = full_state(engine)
+    got["offload"] = error_of(strategy.load_ckpt, engine, os.path.join(out, "ams"))
+    return dict(got, offload_after=full_state(engine))
+
+
+def review_groups(z2):
+    strategy = review_strategy(3)
+    engine, optimizer, _ = review_engine(strategy, 999, groups="reversed")
+    strategy.load_ckpt(engine, z2)
+    got = dict(weight_decay=[group["weight_decay"] for group in optimizer.param_groups])
+    engine, _, _ = review_engine(strategy, 999, groups="all")
+    return dict(got, one_group=error_of(strategy.load_ckpt, engine, z2))
+
+
+def run_review(out):
+    """Each case on its own: one that fails is recorded under its name, and the next one runs."""
+    rank = int(os.environ["RANK"])
+    results = {"errors": {}}
+
+    def attempt(name, function, *args):
+        try:
+            results[name] = function(*args)
+        except Exception:
+            results["errors"][name] = traceback.format_exc()
+            traceback.print_exc()
+
+    attempt("classes", review_classes)
+    z2 = os.path.join(out, "z2")
+    attempt("saved", review_save, z2)
+    for name in REVIEW_TARGETS:
+        attempt(f"target_{name}", review_target, z2, name)
+    for stage in (2, 1):  # the same shape, and another
+        attempt(f"frozen_{stage}", review_frozen, z2, stage)
+    attempt("frozen_listed", review_frozen_listed, out)
+    for stage in (2, 3):  # the same shape with another model, and another shape
+        attempt(f"not_strict_{stage}", review_not_strict, z2, stage)
+    for stage in (2, 3):
+        for module_only in (True, False):
+            attempt(f"eval_{0 if stage == 2 else 3}_{module_only}", review_eval, z2, stage, module_only)
+    attempt("plain", review_plain, out)
+    attempt("amsgrad", review_amsgrad, out)
+    attempt("groups", review_groups, z2)
+    attempt("integrity", review_integrity, rank, os.path.join(out, "integrity"))
+    torch.save(results, os.path.join(out, f"results_rank{rank}.pt"))
+    DeepspeedStrategy(zero_stage=0).teardown()
+
+
+# =============================================================================================================
 # The workers, run in the launched processes.
 
 
@@ -1947,12 +2347,8 @@ def worker_load_errors(results, rank, out_dir):
     if rank == 0:
         os.remove(os.path.join(half, "global_step0", "checkpoint_complete.json"))  # as if a rank died while saving
     torch.distributed.barrier()
-    for name, path in (("missing", empty), ("incomplete", half)):
-        try:
-            strategy.load_ckpt(engine, path)
-            got[name] = "loaded"
-        except Exception as error:
-            got[name] = f"{type(error).__name__}: {error}"
+    got["missing"] = strategy.load_ckpt(engine, empty)
+    got["incomplete"] = error_of(strategy.load_ckpt, engine, half)
     # A checkpoint is pickled: what a crafted one carries runs while it loads.
     crafted, marker = os.path.join(out_dir, "crafted"), os.path.join(out_dir, "payload_ran")  # rank 0's object
     strategy.save_ckpt(engine, crafted, client_state={"payload": Payload(marker)})
@@ -2437,7 +2833,7 @@ def run_mismatch():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    workers = ["core", "crash", "mismatch", "rendezvous", "reshape_save3", "reshape_resume3"]
+    workers = ["core", "crash", "mismatch", "rendezvous", "reshape_save3", "reshape_resume3", "review"]
     parser.add_argument("--worker", choices=workers, required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
@@ -2453,6 +2849,8 @@ if __name__ == "__main__":
         run_reshape_resume3(cli.out_dir, cli.crash_dir)
     elif cli.worker == "crash":
         run_crash(cli.out_dir)
+    elif cli.worker == "review":
+        run_review(cli.out_dir)
     elif cli.worker == "rendezvous":
         run_rendezvous()
     else:

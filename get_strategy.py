@@ -4,8 +4,10 @@ training step, collectives, data loading and checkpoints that resume in any run 
 It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
 into your own trainer. Its methods
 follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with their import lines changed (README,
-"OpenRLHF"). This file's own release is __version__, below: a vendored copy keeps saying which one it is, and
-diffing it against a newer release's get_strategy.py shows what changed.
+"OpenRLHF"). It also takes what later releases with flat flags (up to 0.10.1) added: --param_dtype,
+get_grad_norm(), setup_dataloader's num_workers, and a loader whose state resumes mid-epoch. This file's own
+release is __version__, below: a vendored copy keeps saying which one it is, and diffing it against a newer
+release's get_strategy.py shows what changed.
 
 Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
 the deepspeed launcher):
@@ -104,6 +106,10 @@ def get_strategy(args) -> "DeepspeedStrategy":
     """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
     place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
     which every run must choose."""
+    if getattr(args, "zero_stage", None) is None and hasattr(getattr(args, "ds", None), "zero_stage"):
+        why = "OpenRLHF 0.10.2 and later nest their flags; get_strategy.py follows the flat ones, up to OpenRLHF 0.10.1"
+        fix = "pass flat flags (args.zero_stage, args.train_batch_size, ...), or use that release's own strategy"
+        raise ValueError(f"args.ds.zero_stage: {why}: {fix}")
     if getattr(args, "zero_stage", None) is None:
         fix = "add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) and run with --zero_stage 2"
         raise ValueError(f"--zero_stage is required: {fix}, for example")
@@ -117,6 +123,19 @@ def get_strategy(args) -> "DeepspeedStrategy":
     names = ["seed", "full_determinism", "max_norm", "micro_train_batch_size", "train_batch_size", "bf16"]
     names += ["adam_offload", "overlap_comm", "grad_accum_dtype", "local_rank"]
     flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    # The precision: --bf16 up to OpenRLHF 0.9.1, --param_dtype from 0.9.2 on. --bf16 is a store_true flag, whose
+    # False only means "not given": so the two disagree only as --bf16 with a --param_dtype other than bf16.
+    param_dtype = getattr(args, "param_dtype", None)
+    if param_dtype is not None:
+        if param_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"--param_dtype {param_dtype!r} must be bf16 or fp16 (leave it out for fp32)")
+        if flags.get("bf16") is True and param_dtype != "bf16":
+            raise ValueError(f"--bf16 and --param_dtype {param_dtype} disagree: drop --bf16, which 0.9.2 replaced")
+        if param_dtype == "fp16":
+            why = "DeepSpeed's fp16 scales the loss and skips steps that overflow, which this file does not handle"
+            cpu = "DeepSpeed refuses fp16 on a CPU without fp16 kernels"
+            raise ValueError(f"--param_dtype fp16 is not supported: {why}, and {cpu}; use --param_dtype bf16")
+        flags["bf16"] = True
     return DeepspeedStrategy(zero_stage=args.zero_stage, args=args, **flags)
 
 
@@ -451,7 +470,24 @@ class DeepspeedStrategy:
         max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it only counts it.
         The engine holds its optimizer and scheduler: the other arguments are OpenRLHF's signature (as in
         backward)."""
-        self._engine(model).step()
+        engine = self._engine(model)
+        if self.stage == 0 and not self.bf16 and engine.is_gradient_accumulation_boundary():
+            # Here alone DeepSpeed's step clips without keeping the norm (its clip_grad_norm_ returns it, unread),
+            # so get_grad_norm's is taken first, from the gradients backward() has already averaged over ranks.
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            engine.stage0_grad_norm = torch.nn.utils.get_total_norm(grads).item()
+        engine.step()
+
+    def get_grad_norm(self, model) -> float:
+        """The global L2 norm of the gradients of the last optimizer step, before clipping (OpenRLHF 0.9.6). ZeRO
+        1-3 and bf16 compute it to clip and keep it (engine.get_global_grad_norm()); at fp32 ZeRO 0, optimizer_step
+        computes it."""
+        engine = self._engine(model)
+        fp32_stage0 = self.stage == 0 and not self.bf16
+        norm = getattr(engine, "stage0_grad_norm", None) if fp32_stage0 else engine.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError("strategy.get_grad_norm() has no norm before the first optimizer step")
+        return float(norm)
 
     # ---------------------------------------------------------------------------------------------------------
     # Rank helpers, collectives and data
@@ -551,19 +587,25 @@ class DeepspeedStrategy:
         drop_last=True,
         sampler=None,
         consumed_samples=0,
-    ) -> torch.utils.data.DataLoader:
+        num_workers=0,
+    ) -> "StatefulDataLoader":
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
         by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
         later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one. The sampler
-        is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way."""
+        is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way. The
+        loader is a StatefulDataLoader (beside it): loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs.
+        num_workers > 0 loads batches in that many processes, in the same order."""
         if sampler is None:
-            world_size, rank = self.world_size or 1, self.get_rank()
+            # The process group's shard, even where this strategy has not joined it yet. Without a group (PPO's
+            # driver builds its prompts loader before any) a world of one: all the dataset, shuffled by seed and epoch.
+            world_size, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
             sampler = DistributedSampler(dataset, world_size, rank, shuffle, self.seed, drop_last, consumed_samples)
         # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
         options = {"collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last}  # passed through
-        return torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
+        options["num_workers"] = num_workers
+        return StatefulDataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
 
     # ---------------------------------------------------------------------------------------------------------
     # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape.
@@ -1115,6 +1157,36 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.skip)
+
+
+class StatefulDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader that resumes mid-epoch, under the name and the two methods of torchdata's, whose state OpenRLHF's
+    PPO trainer checkpoints: given the state_dict() taken after k batches, load_state_dict() makes a loader set up
+    alike yield the batches this one yields after those k, in order, through that epoch and the next ones. The state
+    is plain ints (the next pass's epoch and its consumed samples, over all ranks), so it travels in a checkpoint's
+    client_state. It needs this file's DistributedSampler, which setup_dataloader gives it."""
+
+    yielded = None  # batches of the pass under way; None between passes
+
+    def __iter__(self):
+        # A generator, to count the batches handed out (not those that worker processes have already loaded ahead).
+        self.yielded = 0
+        for batch in super().__iter__():
+            self.yielded += 1
+            yield batch
+        self.yielded = None
+
+    def state_dict(self) -> dict:
+        sampler = self.sampler
+        if sampler.epoch_was_set:  # set_epoch (or load_state_dict) has chosen the next pass
+            return {"epoch": sampler.epoch, "consumed_samples": sampler.skip * sampler.num_replicas}
+        if self.yielded is None:  # a pass has ended: the next one is the next epoch, from its start
+            return {"epoch": sampler.epoch + 1, "consumed_samples": 0}
+        seen = sampler.skip + self.yielded * self.batch_size  # this rank's samples of the epoch so far
+        return {"epoch": sampler.epoch, "consumed_samples": seen * sampler.num_replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.set_epoch(state["epoch"], state["consumed_samples"])
 
 
 # =============================================================================================================

@@ -13,6 +13,9 @@ What the tests establish (two ranks over gloo unless noted):
   4e-3 to 6e-3; two plain-PyTorch runs that only add the micro-batches in another order differ by 2.0e-6).
   DeepSpeedCPUAdam (adam_offload) at ZeRO 1-3 matches too; under ZeRO 3 the large weight really is sharded; bf16
   trains at every stage. A model built under deepspeed.zero.Init gets its decay groups and trains alike.
+  get_grad_norm after every step is plain PyTorch's norm before clipping at ZeRO 0-3, with clipping on and off,
+  within 2e-6 (7.7e-7 measured), also through an Actor and mid-way through an accumulation; at bf16 within 5e-2
+  (1.8e-2 measured).
 - Resuming: at every stage, fp32 and bf16, with dropout and a shuffled loader, losses and weights are
   bit-identical to the uninterrupted run's. In another shape (2 ranks at ZeRO 2 -> 1 at ZeRO 3, 2 at ZeRO 3 -> 1
   at ZeRO 2, 1 at ZeRO 1 -> 2 at ZeRO 3, 2 at ZeRO 0 -> 3 at ZeRO 3, 3 at ZeRO 3 -> 2 at ZeRO 0, 2 at ZeRO 3 with
@@ -39,12 +42,17 @@ What the tests establish (two ranks over gloo unless noted):
   whole copies ZeRO 3 keeps of small weights, and an engine trains on from it.
 - Collectives and data: all_reduce and all_gather match hand computation; bools and integers reduce exactly,
   dicts pair by key, tensors of different lengths gather in rank order; the loader gives each rank a disjoint
-  seeded shard and skips consumed samples; the sampler has OpenRLHF's name and reshuffles each epoch.
+  seeded shard and skips consumed samples; the sampler has OpenRLHF's name and reshuffles each epoch. A loader
+  given the state_dict() taken at any point (before a batch, after each batch, after each pass) yields what the
+  uninterrupted one yields after it, through later epochs, on two ranks and (one process) before any process
+  group, shuffled or not, with set_epoch or without, and carried in save_ckpt's client_state; a strategy not set
+  up yet shards by the existing group; num_workers loads the same batches in the same order.
 - OpenRLHF's contracts: an Actor trains through its engine like plain PyTorch and a Hugging Face model's
   .model is not taken for one; moving_average matches a hand computation at every stage; flags for left-out
   features are refused.
 - Flags and launchers: bad values raise ValueError naming the flag, and calls made before setup_distributed()
-  name it; a batch-size mismatch fails on both of two
+  name it; --param_dtype bf16 (OpenRLHF 0.9.2) gives bfloat16 weights, fp16 or a --bf16 that disagrees is
+  refused, and so are OpenRLHF 0.10.2's nested args, naming the release; a batch-size mismatch fails on both of two
   independently started ranks before any collective; a busy port and a missing rank are named with the fix;
   MPI's local-rank variables are read. train_example.py under deepspeed (1 and 2 processes), torchrun, plain
   python and two simulated nodes learns; with --full_determinism those runs save byte-identical weights, also
@@ -55,6 +63,7 @@ What the tests establish (two ranks over gloo unless noted):
 
 import argparse
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -128,9 +137,9 @@ def reference_optimizer(decay, no_decay, schedule):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def reference_training(steps=STEPS):
+def reference_training(steps=STEPS, max_norm=MAX_NORM):
     """Plain single-process PyTorch computing the same global batches: returns final parameters and the
-    gradient norms before clipping."""
+    gradient norms before clipping (max_norm 0: no clipping, as in the ds_config)."""
     model = make_model()
     decay = [model[0].weight, model[4].weight]  # named by hand: the matrices
     no_decay = [model[0].bias, model[1].weight, model[1].bias, model[4].bias]
@@ -143,7 +152,7 @@ def reference_training(steps=STEPS):
         batch = slice(step * TRAIN, (step + 1) * TRAIN)
         optimizer.zero_grad()
         F.mse_loss(model(x[batch]), y[batch]).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
         optimizer.step()
         scheduler.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}, norms
@@ -437,6 +446,102 @@ def test_an_openrlhf_flag_for_a_left_out_feature_is_refused_unless_off(flag, val
         get_strategy(argparse.Namespace(zero_stage=2, **{flag: value}))
     off = {"ring_attn_size": 1, "ds_tensor_parallel_size": 1, "zpg": 1}.get(flag, False)
     get_strategy(argparse.Namespace(zero_stage=2, **{flag: off}))  # OpenRLHF's parser defaults pass
+
+
+def test_param_dtype_bf16_of_openrlhf_0_9_2_turns_bf16_on_and_prepare_makes_bfloat16_weights(clean_launch_env):
+    # A parser that still has --bf16 leaves it False unless given: param_dtype decides.
+    assert get_strategy(argparse.Namespace(zero_stage=2, bf16=False, param_dtype="bf16")).bf16 is True
+    strategy = get_strategy(argparse.Namespace(zero_stage=2, param_dtype="bf16", train_batch_size=1))
+    assert strategy.get_ds_train_config()["bf16"] == {"enabled": True}
+    strategy.setup_distributed()
+    model = torch.nn.Linear(4, 2)
+    engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=1e-3), None))
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(param_dtype="fp16"), r"--param_dtype fp16 is not supported: DeepSpeed's fp16 scales the loss"),
+        (dict(param_dtype="fp32"), r"--param_dtype 'fp32' must be bf16 or fp16 \(leave it out for fp32\)"),
+        (dict(bf16=True, param_dtype="fp16"), r"--bf16 and --param_dtype fp16 disagree"),
+    ],
+)
+def test_a_param_dtype_other_than_bf16_is_refused_before_any_work_naming_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        get_strategy(argparse.Namespace(zero_stage=2, **flags))
+
+
+def test_openrlhf_0_10_2s_nested_args_are_refused_naming_the_release_boundary():
+    import types
+
+    args = types.SimpleNamespace(ds=types.SimpleNamespace(zero_stage=2, param_dtype="bf16"))  # hierarchize's shape
+    with pytest.raises(ValueError, match=r"args\.ds\.zero_stage: OpenRLHF 0\.10\.2 .* up to OpenRLHF 0\.10\.1"):
+        get_strategy(args)
+
+
+def test_num_workers_loads_the_same_batches_in_the_same_order_in_worker_processes():
+    strategy = get_strategy(argparse.Namespace(zero_stage=0))
+    dataset = torch.utils.data.TensorDataset(torch.arange(20))
+    in_workers = strategy.setup_dataloader(dataset, 2, num_workers=2)
+    assert in_workers.num_workers == 2
+    in_main = strategy.setup_dataloader(dataset, 2)
+    assert [batch.tolist() for (batch,) in in_workers] == [batch.tolist() for (batch,) in in_main]
+
+
+def loader_round_trips(make_loader, set_epoch, passes=3):
+    """(trips, epochs). For every moment a trainer can take a loader's state_dict() (before the first batch, after
+    each batch, after each pass): the batches the loader yields after it, to the end of `passes` passes, and the
+    batches a loader from make_loader yields once given that state (through JSON: plain data). And the batches of
+    each pass. The trainer calls set_epoch(epoch) before each pass it starts, or never; a resumed trainer goes on
+    with the pass its state was taken in. A batch is the list of its sample indices."""
+    loader, seen, epochs = make_loader(), [], []
+    states = [(0, 0, json.dumps(loader.state_dict()))]  # (batches seen, the pass to resume with, the state)
+    for epoch in range(passes):
+        if set_epoch:
+            loader.sampler.set_epoch(epoch)
+        epochs.append([])
+        for (batch,) in loader:
+            seen.append(batch.tolist())
+            epochs[-1].append(batch.tolist())
+            states.append((len(seen), epoch, json.dumps(loader.state_dict())))
+        states.append((len(seen), epoch + 1, json.dumps(loader.state_dict())))  # the pass has ended
+    trips = []
+    for k, resumed_epoch, state in states:
+        restored, resumed = make_loader(), []
+        restored.load_state_dict(json.loads(state))
+        for epoch in range(resumed_epoch, passes):
+            if set_epoch and epoch > resumed_epoch:  # the pass the state was taken in goes on without one
+                restored.sampler.set_epoch(epoch)
+            resumed += [batch.tolist() for (batch,) in restored]
+        trips.append((seen[k:], resumed))
+    return trips, epochs
+
+
+# (shuffle, set_epoch, consumed_samples the loader is set up with)
+ROUND_TRIPS = [(True, True, 0), (True, False, 0), (False, False, 0), (True, False, 4)]
+
+
+@pytest.mark.parametrize("shuffle, set_epoch, consumed_samples", ROUND_TRIPS)
+def test_without_a_process_group_a_loader_restored_from_any_state_yields_what_the_uninterrupted_one_does(
+    shuffle, set_epoch, consumed_samples
+):
+    DeepspeedStrategy(zero_stage=0).teardown()  # no process group, as where PPO's driver builds its prompts loader
+    strategy = get_strategy(argparse.Namespace(zero_stage=0))
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    make_loader = functools.partial(
+        strategy.setup_dataloader, dataset, 2, shuffle=shuffle, consumed_samples=consumed_samples
+    )
+    trips, epochs = loader_round_trips(make_loader, set_epoch)
+    assert len(trips) == 1 + sum(len(epoch) for epoch in epochs) + 3  # before, after each batch, after each pass
+    for after, resumed in trips:
+        assert resumed == after
+    passes = [[i for batch in epoch for i in batch] for epoch in epochs]
+    for samples in passes[1:]:  # the whole dataset in every whole pass: a world of one
+        assert sorted(samples) == list(range(10))
+    assert (passes[1] != list(range(10))) == shuffle  # shuffled, or in order
+    assert (passes[1] != passes[2]) == shuffle  # shuffled anew each epoch
+    assert len(passes[0]) == 10 - consumed_samples  # the first pass skips the consumed samples
 
 
 class Actor(torch.nn.Module):
@@ -1085,6 +1190,71 @@ def test_train_batch_size_mismatch_fails_fast_on_both_ranks():
             "--train_batch_size 6 must be a multiple of --micro_train_batch_size * world_size = 2 * 2 = 4 (try 4 or 8)"
         )
         assert f"ValueError: {expected}" in output, output
+
+
+# =============================================================================================================
+# Two processes, a launch of their own: get_grad_norm, the loader's state and a strategy that has not joined the
+# process group yet.
+
+
+@pytest.fixture(scope="module")
+def flags_and_data_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flags_and_data")
+    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "flags_and_data", str(out)), 600)
+    assert returncode == 0, output[-5000:]
+    return [read_results(out, rank) for rank in range(WORLD)], out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("max_norm", [MAX_NORM, 0])
+def test_get_grad_norm_is_plain_pytorchs_norm_before_clipping_after_every_step(flags_and_data_run, stage, max_norm):
+    # Within 2e-6 (7.7e-7 measured). Clipped, the norm would be MAX_NORM; with max_norm 0 the norms after the
+    # first step differ from MAX_NORM's by 1.3e-4 to 2.6e-3, as the weights no longer clip.
+    _, expected = reference_training(max_norm=max_norm)
+    for got, mid_way in case(flags_and_data_run, f"grad_norm_stage{stage}_max_norm{max_norm}"):
+        assert all(type(norm) is float for norm in got)
+        assert got == pytest.approx(expected, rel=2e-6)
+        assert mid_way == got[:-1]  # mid-way through an accumulation: still the last step's
+
+
+def test_get_grad_norm_reaches_the_engine_through_an_actor(flags_and_data_run):
+    _, expected = reference_training()
+    for got, _ in case(flags_and_data_run, "grad_norm_actor"):
+        assert got == pytest.approx(expected, rel=2e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_get_grad_norm_at_bf16_is_plain_pytorchs_within_bf16_rounding(flags_and_data_run, stage):
+    # Within 5e-2 of the fp32 run's, from which bf16 weights drift step by step: 1.8e-2 measured at ZeRO 0, whose
+    # gradients stay bf16, and 3.1e-3 at ZeRO 1-3. A clipped norm would be MAX_NORM.
+    _, expected = reference_training()
+    for got, _ in case(flags_and_data_run, f"grad_norm_bf16_stage{stage}"):
+        assert all(type(norm) is float for norm in got)
+        assert got == pytest.approx(expected, rel=5e-2)
+
+
+@pytest.mark.parametrize("shuffle, set_epoch, consumed_samples", ROUND_TRIPS)
+def test_on_two_ranks_a_loader_restored_from_any_state_yields_what_the_uninterrupted_one_does(
+    flags_and_data_run, shuffle, set_epoch, consumed_samples
+):
+    ranks = case(flags_and_data_run, f"round_trips_{shuffle}_{set_epoch}_{consumed_samples}")
+    for trips, epochs in ranks:
+        assert len(trips) == 1 + sum(len(epoch) for epoch in epochs) + 3
+        for after, resumed in trips:
+            assert resumed == after
+    second_pass = [[i for batch in epochs[1] for i in batch] for _, epochs in ranks]
+    assert sorted(second_pass[0] + second_pass[1]) == list(range(20))  # each rank its own half
+
+
+def test_a_loaders_state_carried_in_a_checkpoint_resumes_its_batches_on_two_ranks(flags_and_data_run):
+    for got in case(flags_and_data_run, "loader_through_a_checkpoint"):
+        assert len(got["resumed"]) == 10 + 16  # the rest of the epoch, then the next one
+        assert torch.equal(got["resumed"], got["uninterrupted"])
+
+
+def test_a_strategy_not_set_up_yet_gives_each_rank_its_shard_of_the_existing_process_group(flags_and_data_run):
+    for rank, got in enumerate(case(flags_and_data_run, "loader_before_setup")):
+        assert got == list(range(rank, 20, WORLD))  # unshuffled: every WORLD-th sample from the rank's own
 
 
 # =============================================================================================================
@@ -2105,12 +2275,12 @@ def full_params(engine):
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def new_strategy(stage, bf16=False, train_batch_size=TRAIN, **flags):
+def new_strategy(stage, bf16=False, train_batch_size=TRAIN, max_norm=MAX_NORM, **flags):
     args = argparse.Namespace(
         zero_stage=stage,
         micro_train_batch_size=MICRO,
         train_batch_size=train_batch_size,
-        max_norm=MAX_NORM,
+        max_norm=max_norm,
         bf16=bf16,
         seed=42,
         **flags,
@@ -2785,6 +2955,87 @@ CASE_KEYS = {
 }
 
 
+def grad_norms(stage, max_norm=MAX_NORM, bf16=False, actor=False):
+    """(after each step, mid-way): strategy.get_grad_norm after each of STEPS optimizer steps over the reference's
+    batches, and after the first micro-step of each later one; with actor, of an OpenRLHF Actor around the model."""
+    strategy = new_strategy(stage, bf16=bf16, max_norm=max_norm)
+    model = Actor(make_model()) if actor else make_model()
+    optimizer = strategy.create_optimizer(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    model, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False))
+    after_each_step, mid_way = [], []
+    for micro_step in range(1, STEPS * ACCUM + 1):
+        x, y = next(batches)
+        loss = F.mse_loss(model(x.to(torch.bfloat16 if bf16 else torch.float32)).float(), y)
+        strategy.backward(loss, model, optimizer)
+        strategy.optimizer_step(optimizer, model, scheduler)
+        if micro_step % ACCUM == 0:
+            after_each_step.append(strategy.get_grad_norm(model))
+        elif micro_step > ACCUM:
+            mid_way.append(strategy.get_grad_norm(model))
+    return after_each_step, mid_way
+
+
+def loader_round_trips_on_two_ranks(shuffle, set_epoch, consumed_samples):
+    strategy = new_strategy(0)
+    dataset = torch.utils.data.TensorDataset(torch.arange(20))
+    make_loader = functools.partial(
+        strategy.setup_dataloader, dataset, 2, shuffle=shuffle, consumed_samples=consumed_samples
+    )
+    return loader_round_trips(make_loader, set_epoch)
+
+
+def loader_through_a_checkpoint(out_dir):
+    """The batches after step 3 of a shuffled epoch of 16 micro-batches a rank, uninterrupted, and resumed by a
+    fresh engine and loader from a checkpoint whose client_state holds the loader's state."""
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy)
+    loader = strategy.setup_dataloader(make_dataset(), MICRO)
+    batches = iter(loader)
+    train(strategy, engine, optimizer, scheduler, batches, 3)
+    ckpt = os.path.join(out_dir, "loader_ckpt")
+    strategy.save_ckpt(engine, ckpt, client_state={"loader": loader.state_dict()})
+    uninterrupted = [x for x, _ in batches] + [x for x, _ in loader]
+    engine, _, _ = prepared(strategy, init_seed=999)
+    _, client_state = strategy.load_ckpt(engine, ckpt)
+    restored = strategy.setup_dataloader(make_dataset(), MICRO)
+    restored.load_state_dict(client_state["loader"])
+    resumed = [x for x, _ in restored] + [x for x, _ in restored]
+    return dict(uninterrupted=torch.stack(uninterrupted), resumed=torch.stack(resumed))
+
+
+def loader_before_setup():
+    """The unshuffled sample indices of a loader from a strategy that never called setup_distributed, in a
+    process group that exists."""
+    strategy = get_strategy(argparse.Namespace(zero_stage=0))
+    loader = strategy.setup_dataloader(torch.utils.data.TensorDataset(torch.arange(20)), 2, shuffle=False)
+    return [i for (batch,) in loader for i in batch.tolist()]
+
+
+def run_flags_and_data(out_dir):
+    rank = int(os.environ["RANK"])
+    cases = {}  # result key: what computes it
+    for stage in range(4):
+        for max_norm in (MAX_NORM, 0):
+            cases[f"grad_norm_stage{stage}_max_norm{max_norm}"] = lambda s=stage, m=max_norm: grad_norms(s, m)
+        cases[f"grad_norm_bf16_stage{stage}"] = lambda s=stage: grad_norms(s, bf16=True)
+    cases["grad_norm_actor"] = lambda: grad_norms(0, actor=True)
+    for trip in ROUND_TRIPS:
+        cases["round_trips_{}_{}_{}".format(*trip)] = lambda trip=trip: loader_round_trips_on_two_ranks(*trip)
+    cases["loader_through_a_checkpoint"] = lambda: loader_through_a_checkpoint(out_dir)
+    cases["loader_before_setup"] = loader_before_setup
+    results = {"errors": {}}
+    for name, compute in cases.items():
+        try:
+            results[name] = compute()
+        except Exception:  # record and go on: the tests report each case on its own
+            results["errors"][name] = traceback.format_exc()
+            traceback.print_exc()
+    torch.save(results, os.path.join(out_dir, f"results_rank{rank}.pt"))
+    DeepspeedStrategy(zero_stage=0).teardown()
+
+
 def run_crash(out_dir):
     import signal
 
@@ -2833,7 +3084,16 @@ def run_mismatch():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    workers = ["core", "crash", "mismatch", "rendezvous", "reshape_save3", "reshape_resume3", "review"]
+    workers = [
+        "core",
+        "crash",
+        "mismatch",
+        "rendezvous",
+        "reshape_save3",
+        "reshape_resume3",
+        "review",
+        "flags_and_data",
+    ]
     parser.add_argument("--worker", choices=workers, required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
@@ -2851,6 +3111,8 @@ if __name__ == "__main__":
         run_crash(cli.out_dir)
     elif cli.worker == "review":
         run_review(cli.out_dir)
+    elif cli.worker == "flags_and_data":
+        run_flags_and_data(cli.out_dir)
     elif cli.worker == "rendezvous":
         run_rendezvous()
     else:

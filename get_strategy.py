@@ -43,6 +43,7 @@ import mmap
 import os
 import pickle
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -631,28 +632,95 @@ class DeepspeedStrategy:
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
         ranks must call it, and save_dir must be on a filesystem every rank sees. The default tag is
         global_step<N>. Then the oldest complete checkpoints go until at most max_num and max_mem GiB remain
-        (never the new one or latest's)."""
+        (never the new one or latest's).
+
+        A save that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every rank,
+        naming the rank, the file and the error, and removes what it wrote; the previous checkpoint and latest stay
+        as they were. A save that save_dir's free space clearly cannot hold (less than the newest checkpoint's
+        size) is refused on every rank before anything is written."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)
+        self._raise_on_every_rank(self._space_problem(save_dir), RuntimeError)
+        problem = None
         if self.is_rank_0():
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-            os.makedirs(staging)
-        dist.barrier()
-        rank = self.get_rank()
-        torch.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
-        engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state or {}, save_latest=False)
-        for name in os.listdir(staging):  # on the disk, not only in the page cache, before rank 0 commits
-            if self._written_by(name, rank):
-                self._fsync(os.path.join(staging, name))
-        self._fsync(staging)
-        dist.barrier()  # every rank's files are durable
-        if self.is_rank_0():  # one writer for every shared file
-            self._commit_checkpoint(engine, save_dir, tag, save_latest)
-            self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
-        dist.barrier()
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+                os.makedirs(staging)
+            except OSError as error:
+                problem = f"save_ckpt could not make {staging} on rank 0: {error}"
+        self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
+        problem = self._first_of_ranks(
+            self._write_own_files(engine, save_dir, tag, client_state or {})
+        )  # and every rank's are durable
+        if problem is None and self.is_rank_0():  # one writer for every shared file
+            try:
+                self._commit_checkpoint(engine, save_dir, tag, save_latest)
+                self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+            except OSError as error:
+                problem = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
+        problem = self._first_of_ranks(problem)
+        if problem:  # give the space back, so that the next save or a restart can succeed
+            shutil.rmtree(staging, ignore_errors=True)
+            dist.barrier()
+            raise RuntimeError(f"{problem}; the checkpoint before it is unchanged")
+
+    def _write_own_files(self, engine, save_dir, tag, client_state):
+        """Write this rank's files of the checkpoint into <tag>.saving and make them durable; returns None, or what
+        failed. A failed write is noted rather than raised: this rank still meets the others in DeepSpeed's own
+        barriers, and then all learn of it together instead of waiting for the process group's timeout."""
+        rank, staging, failed = self.get_rank(), os.path.join(save_dir, tag + STAGING), []
+        writer = engine.checkpoint_engine  # DeepSpeed writes every file with its save(state_dict, path)
+        write = writer.save
+
+        def attempt(path, function, *args):  # the first failure is noted; every write after it is skipped
+            if not failed:
+                try:
+                    function(*args)
+                except Exception as error:
+                    failed.append((path, str(error)))  # not the error itself: its traceback holds the file open
+
+        writer.save = lambda state_dict, path: attempt(path, write, state_dict, path)
+        try:
+            rng_file = os.path.join(staging, RNG_FILE.format(rank=rank))
+            attempt(rng_file, torch.save, self._get_rng_states(), rng_file)
+            engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
+            for name in os.listdir(staging):  # on the disk, not only in the page cache, before rank 0 commits
+                if self._written_by(name, rank):
+                    attempt(os.path.join(staging, name), self._fsync, os.path.join(staging, name))
+            attempt(staging, self._fsync, staging)
+        except OSError as error:  # the folder itself is gone (a node that lost its mount)
+            failed.append((staging, str(error)))
+        finally:
+            del writer.save  # the method of DeepSpeed's class again
+        if not failed:
+            return None
+        # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
+        path, error = failed[0]
+        why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
+        return f"save_ckpt failed on rank {rank} ({socket.gethostname()}) writing {path}: {error}; {why}"
+
+    def _space_problem(self, save_dir):
+        """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
+        newest complete checkpoint, which the next one will roughly match."""
+        complete = self._complete_checkpoints(save_dir)
+        if not complete:
+            return None
+        sizes = [self._folder_bytes(os.path.join(save_dir, name)) for name in complete]
+        need, free = sizes[-1], shutil.disk_usage(save_dir).free
+        if free >= need:
+            return None
+        # Rotation deletes old checkpoints only after the new one is committed, so the disk must hold one more.
+        room = free + sum(sizes) - need  # for the checkpoints kept while the next one is written
+        keep = f"max_num={room // need} or max_mem={room / 2**30:.2f}" if room >= need else "a larger disk"
+        why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
+        fix = f"rotation cannot make room, since it deletes only after a save: free space, or keep fewer ({keep})"
+        return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
 
     def _written_by(self, name, rank) -> bool:
         """Whether this rank wrote a checkpoint file: its RNG file, its ZeRO shards, and at rank 0 the rest."""

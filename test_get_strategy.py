@@ -2263,6 +2263,146 @@ def run_review(out):
 
 
 # =============================================================================================================
+# A save that fails: on one rank or both, every rank raises within seconds naming the rank, the file and the
+# error, the staging folder goes, the previous checkpoint stays loadable, and the run saves again once there is
+# room. Real failures, no mock: RLIMIT_FSIZE makes one process's writes fail (EFBIG), and a small tmpfs fills.
+
+
+@pytest.fixture(scope="module")
+def save_failures_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("save_failures")
+    disk = out / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full disk needs a tmpfs, which needs root: {mounted.stderr.decode()}")
+    try:
+        returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "save_failures", str(out)), 300)
+    finally:
+        subprocess.run(["umount", str(disk)])
+    assert returncode == 0, output[-5000:]
+    return [read_results(out, rank) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("failing", ["rank0", "rank1", "both"])
+def test_a_write_that_fails_on_any_rank_raises_on_every_rank_at_once_and_leaves_the_last_checkpoint(
+    save_failures_run, failing
+):
+    named = 1 if failing == "rank1" else 0  # every rank says the same: the lowest failing rank's failure
+    for result in save_failures_run:
+        got = result[failing]
+        assert got["error"].startswith(f"RuntimeError: save_ckpt failed on rank {named} "), got["error"]
+        assert "_states.pt" in got["error"] and "ulimit -f" in got["error"], got["error"]  # the file, the cause
+        assert got["seconds"] < 30, got["seconds"]
+        assert checkpoints(got["left"]) == ["global_step1", "latest"], got["left"]  # no staging folder
+        assert got["latest"] == "global_step1"
+
+
+def test_after_failed_saves_the_last_checkpoint_loads_and_training_saves_again(save_failures_run):
+    for result in save_failures_run:
+        assert result["resumed_steps"] == 1 and result["resumed_equal"]
+        assert checkpoints(result["saved_again"]) == ["global_step1", "global_step5", "latest"]
+
+
+def test_a_save_the_free_space_cannot_hold_is_refused_before_writing_with_the_figures(save_failures_run):
+    for result in save_failures_run:
+        refused = result["refused"]
+        assert refused["error"].startswith("RuntimeError: save_ckpt refused before writing: "), refused["error"]
+        assert "MiB free, and the next checkpoint needs about" in refused["error"], refused["error"]
+        assert "rotation cannot make room" in refused["error"], refused["error"]
+        assert checkpoints(refused["left"]) == ["global_step1", "latest"]
+        assert refused["free_after"] == refused["free_before"]  # nothing was written
+        assert checkpoints(result["after_freeing"]) == ["global_step1", "global_step2", "latest"]
+
+
+def test_a_disk_that_fills_while_rank_0_writes_gives_its_space_back_and_names_the_file(save_failures_run):
+    for result in save_failures_run:
+        full = result["disk_full"]
+        assert full["error"].startswith("RuntimeError: save_ckpt failed on rank 0 "), full["error"]
+        assert "global_step3.saving/" in full["error"] and "_states.pt" in full["error"], full["error"]
+        assert "ckpt has 0.0 MiB free" in full["error"], full["error"]
+        assert checkpoints(full["left"]) == ["global_step1", "global_step2", "latest"], full["left"]
+        assert full["free_after"] == full["free_before"]  # the staging folder's space came back
+
+
+def checkpoints(names):
+    """A save_dir's listing without the scripts DeepSpeed copies there (zero_to_fp32.py, ...)."""
+    return [name for name in names if not name.endswith(".py")]
+
+
+def run_save_failures(out):
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    results = {}
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy)
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO))
+    ckpt = os.path.join(out, "ckpt")
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    strategy.save_ckpt(engine, ckpt)
+    saved = full_params(engine)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for failing in ("rank0", "rank1", "both"):
+        train(strategy, engine, optimizer, scheduler, batches, 1)
+        if failing in ("both", f"rank{rank}"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+        start = time.time()
+        error = error_of(strategy.save_ckpt, engine, ckpt)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        with open(os.path.join(ckpt, "latest")) as f:
+            latest = f.read()
+        results[failing] = dict(error=error, seconds=time.time() - start, left=sorted(os.listdir(ckpt)), latest=latest)
+    resumed = new_strategy(2)
+    engine2, _, _ = prepared(resumed, init_seed=999)
+    resumed.load_ckpt(engine2, ckpt)
+    params = full_params(engine2)
+    results["resumed_steps"] = engine2.global_steps
+    results["resumed_equal"] = all(torch.equal(params[name], saved[name]) for name in saved)
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    strategy.save_ckpt(engine, ckpt)
+    results["saved_again"] = sorted(os.listdir(ckpt))
+
+    disk = os.path.join(out, "small_disk", "ckpt")  # a 16 MiB tmpfs
+    strategy.save_ckpt(engine2, disk, tag="global_step1")
+    size = sum(
+        os.path.getsize(os.path.join(disk, "global_step1", n)) for n in os.listdir(os.path.join(disk, "global_step1"))
+    )
+    filler = os.path.join(out, "small_disk", "filler")
+    dist.barrier()
+    if rank == 0:  # leave half a checkpoint's room
+        with open(filler, "wb") as f:
+            f.write(bytes(shutil.disk_usage(disk).free - size // 2))
+    dist.barrier()
+    before = shutil.disk_usage(disk).free
+    got = dict(error=error_of(strategy.save_ckpt, engine2, disk, tag="global_step2"), free_before=before)
+    results["refused"] = dict(got, left=sorted(os.listdir(disk)), free_after=shutil.disk_usage(disk).free)
+    dist.barrier()
+    if rank == 0:
+        os.remove(filler)
+    dist.barrier()
+    strategy.save_ckpt(engine2, disk, tag="global_step2")
+    results["after_freeing"] = sorted(os.listdir(disk))
+    dist.barrier()
+    if rank == 0:  # room for 1.5 checkpoints, which passes the check; a client_state of one more makes it 2
+        with open(filler, "wb") as f:
+            f.write(bytes(shutil.disk_usage(disk).free - size * 3 // 2))
+    dist.barrier()
+    before = shutil.disk_usage(disk).free
+    big = {"blob": torch.ones(size // 4)}
+    got = dict(error=error_of(strategy.save_ckpt, engine2, disk, tag="global_step3", client_state=big))
+    results["disk_full"] = dict(
+        got, left=sorted(os.listdir(disk)), free_before=before, free_after=shutil.disk_usage(disk).free
+    )
+    torch.save(results, os.path.join(out, f"results_rank{rank}.pt"))
+    DeepspeedStrategy(zero_stage=0).teardown()
+
+
+# =============================================================================================================
 # The workers, run in the launched processes.
 
 
@@ -3084,16 +3224,8 @@ def run_mismatch():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    workers = [
-        "core",
-        "crash",
-        "mismatch",
-        "rendezvous",
-        "reshape_save3",
-        "reshape_resume3",
-        "review",
-        "flags_and_data",
-    ]
+    workers = ["core", "crash", "mismatch", "rendezvous", "reshape_save3", "reshape_resume3", "review"]
+    workers += ["flags_and_data", "save_failures"]
     parser.add_argument("--worker", choices=workers, required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
@@ -3111,6 +3243,8 @@ if __name__ == "__main__":
         run_crash(cli.out_dir)
     elif cli.worker == "review":
         run_review(cli.out_dir)
+    elif cli.worker == "save_failures":
+        run_save_failures(cli.out_dir)
     elif cli.worker == "flags_and_data":
         run_flags_and_data(cli.out_dir)
     elif cli.worker == "rendezvous":

@@ -878,6 +878,12 @@ class DeepspeedStrategy:
         if tag is None:  # latest's checkpoint first, then the complete ones, newest first
             latest = self._read_latest(load_dir)
             complete = [name for name in reversed(self._complete_checkpoints(load_dir)) if name != latest]
+            # A save over a tag that crashed between its two renames, and lost latest too, left its complete
+            # checkpoint under <tag>.saving or <tag>.replaced: _check_checkpoint(tag) looks there.
+            names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+            swapped = [name for name in names if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))]
+            swapped = {name.removesuffix(STAGING).removesuffix(REPLACED) for name in swapped} - {latest, *complete}
+            complete += sorted(swapped)
             if latest is None and complete:
                 self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete one, {complete[0]}")
             candidates = ([latest] if latest is not None else []) + complete

@@ -522,17 +522,33 @@ def loader_round_trips(make_loader, set_epoch, passes=3):
 ROUND_TRIPS = [(True, True, 0), (True, False, 0), (False, False, 0), (True, False, 4)]
 
 
+@pytest.fixture(scope="module")
+def loader_alone(tmp_path_factory):
+    """The round trips of run_loader_alone: a process that never joins a process group, as PPO's driver, which
+    builds its prompts loader before any exists (this pytest process has one, which DeepSpeed keeps using)."""
+    out = tmp_path_factory.mktemp("loader_alone")
+    returncode, output = launch([PYTHON, "test_get_strategy.py", "--worker", "loader_alone", str(out)], 120)
+    assert returncode == 0, output[-5000:]
+    return torch.load(out / "results.pt", weights_only=True)
+
+
+def run_loader_alone(out_dir):
+    results = {}
+    for shuffle, set_epoch, consumed_samples in ROUND_TRIPS:
+        strategy = get_strategy(argparse.Namespace(zero_stage=0))
+        dataset = torch.utils.data.TensorDataset(torch.arange(10))
+        make_loader = functools.partial(
+            strategy.setup_dataloader, dataset, 2, shuffle=shuffle, consumed_samples=consumed_samples
+        )
+        results[shuffle, set_epoch, consumed_samples] = loader_round_trips(make_loader, set_epoch)
+    torch.save(results, os.path.join(out_dir, "results.pt"))
+
+
 @pytest.mark.parametrize("shuffle, set_epoch, consumed_samples", ROUND_TRIPS)
 def test_without_a_process_group_a_loader_restored_from_any_state_yields_what_the_uninterrupted_one_does(
-    shuffle, set_epoch, consumed_samples
+    loader_alone, shuffle, set_epoch, consumed_samples
 ):
-    DeepspeedStrategy(zero_stage=0).teardown()  # no process group, as where PPO's driver builds its prompts loader
-    strategy = get_strategy(argparse.Namespace(zero_stage=0))
-    dataset = torch.utils.data.TensorDataset(torch.arange(10))
-    make_loader = functools.partial(
-        strategy.setup_dataloader, dataset, 2, shuffle=shuffle, consumed_samples=consumed_samples
-    )
-    trips, epochs = loader_round_trips(make_loader, set_epoch)
+    trips, epochs = loader_alone[shuffle, set_epoch, consumed_samples]
     assert len(trips) == 1 + sum(len(epoch) for epoch in epochs) + 3  # before, after each batch, after each pass
     for after, resumed in trips:
         assert resumed == after
@@ -598,7 +614,10 @@ def test_load_model_reports_missing_and_unexpected_keys(tmp_path, capsys):
 
 
 def test_local_rank_comes_from_an_mpi_launchers_variables(clean_launch_env, monkeypatch):
-    # As after mpirun and DeepSpeed's discovery of the ranks: Open MPI's variables, no LOCAL_RANK of torch's.
+    # As after mpirun and DeepSpeed's discovery of the ranks (mpi4py's, which needs an MPI installation): a process
+    # group, Open MPI's variables, no LOCAL_RANK of torch's.
+    get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1)).setup_distributed()
+    monkeypatch.delenv("LOCAL_RANK")
     for name, value in (
         ("OMPI_COMM_WORLD_SIZE", "1"),
         ("OMPI_COMM_WORLD_RANK", "0"),
@@ -2403,6 +2422,221 @@ def run_save_failures(out):
 
 
 # =============================================================================================================
+# Crash points, explored (the method of ALICE, Pillai et al., OSDI 2014): one process saves three checkpoints
+# under strace, which records every file-system operation that save_ckpt and DeepSpeed perform in save_dir. The
+# test rebuilds save_dir as a crash after each operation would leave it, in two models, and loads every state.
+# A killed process keeps all it did. A power cut keeps only what was made durable: a file's bytes up to its last
+# fsync, and a folder's names (new files, renames, deletions) as of the folder's last fsync. The saves: a first
+# one, a second whose rotation (max_num=1) deletes the first, and a third under the second's tag, which swaps
+# the folders; the third's states are loaded a second time with `latest` lost.
+
+TRACED = "openat,creat,write,pwrite64,writev,sendfile,copy_file_range,ftruncate,fsync,fdatasync"
+TRACED += ",rename,renameat,renameat2,mkdir,mkdirat,unlink,unlinkat,rmdir"
+
+
+def traced_operations(trace):
+    """(operation, path, argument) of each call in an `strace -f -y` log that succeeded, in order; strace -y
+    writes each file descriptor with its path, as 5</path>. The record worker marks the end of each save by
+    opening a file named marker<N>."""
+    unfinished, fd = {}, r"(?:AT_FDCWD|-?\d+)(?:<([^>]*)>)?"
+    for line in open(trace):
+        pid, _, line = line.strip().partition(" ")
+        if line.endswith("<unfinished ...>"):  # a call another thread interrupted in the log
+            unfinished[pid] = line.removesuffix("<unfinished ...>")
+            continue
+        resumed = re.match(r"<\.\.\. \w+ resumed>(.*)", line)
+        line = unfinished.pop(pid, "") + resumed.group(1) if resumed else line
+        call = re.match(r"(\w+)\((.*)\)\s+= (-?\d+)(?:<([^>]*)>)?", line)
+        if not call or int(call.group(3)) < 0:
+            continue
+        name, args, result, opened = call.groups()
+        strings, fds = re.findall(r'"((?:[^"\\]|\\.)*)"', args), re.findall(fd, args)
+
+        def at(i):  # the i-th path argument, joined to its folder's descriptor for the *at calls
+            return (
+                os.path.join(fds[i], strings[i]) if name.endswith("at") or name.startswith("renameat") else strings[i]
+            )
+
+        if name in ("openat", "creat") and re.search(r"/marker\d+$", opened or strings[0]):
+            yield "marker", None, None
+        elif name in ("openat", "creat") and (name == "creat" or "O_CREAT" in args):
+            yield "create", opened, name == "creat" or "O_TRUNC" in args
+        elif name in ("write", "writev", "sendfile", "copy_file_range"):
+            yield "write", fds[2] if name == "copy_file_range" else fds[0], int(result)
+        elif name == "pwrite64":
+            yield "write_at", fds[0], int(args.rsplit(",", 1)[1]) + int(result)
+        elif name == "ftruncate":
+            yield "truncate", fds[0], int(args.rsplit(",", 1)[1])
+        elif name in ("fsync", "fdatasync"):
+            yield "fsync", fds[0], None
+        elif name.startswith("rename"):
+            yield "rename", at(0), at(1)
+        elif name in ("mkdir", "mkdirat"):
+            yield "mkdir", at(0), None
+        elif name in ("unlink", "unlinkat", "rmdir"):
+            yield "remove", at(0), None
+
+
+class Node:
+    """A file or a folder of the model: a file's length now and durably, a folder's names now and durably."""
+
+    def __init__(self, folder):
+        self.folder, self.length, self.durable_length, self.source = folder, 0, 0, None
+        self.names, self.durable_names = {}, {}
+
+
+def crash_states(operations, root, snapshots):
+    """Yields (save, kill state, power-cut state) after each operation under root (a consecutive run of writes
+    to one file counts as one, cut once in the middle too). A state maps each path relative to root to None (a
+    folder) or (the file's node, how many bytes), whose source names the file its bytes come from once the save
+    that made it has ended. snapshots[k]: root as save k left it."""
+    top, save = Node(folder=True), 0
+
+    def node_at(path):
+        node = top
+        for part in os.path.relpath(path, root).split(os.sep):
+            node = node if part == "." else node.names[part]
+        return node
+
+    def place(path):
+        return node_at(os.path.dirname(path)), os.path.basename(path)
+
+    def state(durable):
+        files, stack = {}, [("", top)]
+        while stack:
+            prefix, folder = stack.pop()
+            for name, node in (folder.durable_names if durable else folder.names).items():
+                path = os.path.join(prefix, name)
+                files[path] = None if node.folder else (node, node.durable_length if durable else node.length)
+                if node.folder:
+                    stack.append((path, node))
+        return files
+
+    merged = []
+    for operation, path, argument in operations:
+        if merged and operation == "write" and merged[-1][:2] == ["write", path]:
+            merged[-1][2] += argument
+        else:
+            merged.append([operation, path, argument])
+    for operation, path, argument in merged:
+        if operation == "marker":  # a save ended: the files it made are as it left them in its snapshot
+            for name, spec in state(durable=False).items():
+                if spec is not None and node_at(os.path.join(root, name)).source is None:
+                    node_at(os.path.join(root, name)).source = os.path.join(snapshots[save], name)
+            save += 1
+            continue
+        if not (path or "").startswith(root + os.sep) and (path, operation) != (root, "fsync"):
+            continue  # outside root, or root's own making
+        if operation in ("create", "mkdir"):
+            folder, name = place(path)
+            if name not in folder.names:
+                folder.names[name] = Node(folder=operation == "mkdir")
+            elif argument:  # O_TRUNC
+                folder.names[name].length = 0
+        elif operation == "write":  # appended: half, a crash point, then the rest
+            node_at(path).length += argument // 2
+            yield save, state(False), state(True)
+            node_at(path).length += argument - argument // 2
+        elif operation == "write_at":
+            node_at(path).length = max(node_at(path).length, argument)
+        elif operation == "truncate":
+            node = node_at(path)
+            node.length, node.durable_length = argument, min(node.durable_length, argument)
+        elif operation == "fsync":
+            node = node_at(path)
+            node.durable_names, node.durable_length = dict(node.names), node.length
+        elif operation == "rename":
+            (old, old_name), (new, new_name) = place(path), place(argument)
+            new.names[new_name] = old.names.pop(old_name)
+        elif operation == "remove":
+            folder, name = place(path)
+            del folder.names[name]
+        yield save, state(False), state(True)
+
+
+def lay_out(files, where):
+    """Write a crash state into the empty folder where: each file holds the first bytes of its source."""
+    for path, spec in sorted(files.items()):
+        target = os.path.join(where, path)
+        if spec is None:
+            os.makedirs(target, exist_ok=True)
+            continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        node, length = spec
+        with open(target, "wb") as f:
+            if node.source is not None and os.path.exists(node.source):
+                with open(node.source, "rb") as s:
+                    f.write(s.read(length))
+            f.write(bytes(length - f.tell()))  # made and deleted within one save: no source, zeros
+
+
+def run_crash_record(out):
+    """The traced process: three saves into out/ckpt, each followed by a marker and a snapshot of the folder."""
+    strategy = new_strategy(2)
+    engine, optimizer, scheduler = prepared(strategy)
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False))
+    ckpt = os.path.join(out, "ckpt")
+    os.makedirs(ckpt)
+    for save, tag in enumerate(["global_step1", "global_step2", "global_step2"]):
+        train(strategy, engine, optimizer, scheduler, batches, 1)
+        strategy.save_ckpt(engine, ckpt, tag=tag, max_num=1)
+        open(os.path.join(out, f"marker{save}"), "w").close()
+        shutil.copytree(ckpt, os.path.join(out, f"snapshot{save}"))
+    strategy.teardown()
+
+
+@pytest.fixture(scope="module")
+def crash_points(tmp_path_factory):
+    """{model: [(save, the step it was saving, what load_ckpt gave: a step, None or an error), ...]}."""
+    if shutil.which("strace") is None:
+        pytest.skip("the crash-point harness records with strace: apt-get install strace")
+    out = tmp_path_factory.mktemp("crash_points")
+    trace = out / "trace"
+    cmd = ["strace", "-f", "-y", "-s", "0", "-e", f"trace={TRACED}", "-o", str(trace)]
+    returncode, output = launch([*cmd, PYTHON, "test_get_strategy.py", "--worker", "crash_record", str(out)], 300)
+    assert returncode == 0, output[-5000:]
+    root, snapshots = str(out / "ckpt"), [str(out / f"snapshot{k}") for k in range(3)]
+    with in_this_process():
+        return load_crash_states(out, list(crash_states(traced_operations(trace), root, snapshots)))
+
+
+def load_crash_states(out, states):
+    strategy = new_strategy(2)
+    engine, _, _ = prepared(strategy, init_seed=999)
+    got = {"kill": [], "power": [], "latest lost": []}
+    for number, (save, kill, power) in enumerate(states):
+        for model, files in (("kill", kill), ("power", power), ("latest lost", kill)):
+            if model == "latest lost":
+                if save != 2:
+                    continue
+                files = {path: spec for path, spec in files.items() if path != "latest"}
+            where = str(out / "states" / f"{model}{number}")
+            lay_out(files, where)
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    load_path, _ = strategy.load_ckpt(engine, where)
+                got[model].append((save, load_path and engine.global_steps))
+            except Exception as error:
+                got[model].append((save, f"{type(error).__name__}: {error}"))
+            shutil.rmtree(where)
+    print({model: len(states) for model, states in got.items()}, "crash states loaded")
+    return got
+
+
+def test_a_crash_at_any_file_operation_of_a_save_leaves_the_newest_committed_checkpoint_or_the_one_before(
+    crash_points,
+):
+    """Save k saves step k + 1 (the third one step 3 under the tag of step 2): a crash while it runs must load
+    step k + 1 or the newest step saved before it (none before the first), never a partial checkpoint, never
+    an error."""
+    for model, states in crash_points.items():
+        assert len(states) > 50, (model, len(states))  # every operation of the three saves, not a handful
+        for save, loaded in states:
+            before = {0: None, 1: 1, 2: 2}[save]
+            assert loaded in (before, save + 1), (model, save, loaded)
+
+
+# =============================================================================================================
 # The workers, run in the launched processes.
 
 
@@ -3225,7 +3459,7 @@ def run_mismatch():
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     workers = ["core", "crash", "mismatch", "rendezvous", "reshape_save3", "reshape_resume3", "review"]
-    workers += ["flags_and_data", "save_failures"]
+    workers += ["flags_and_data", "save_failures", "crash_record", "loader_alone"]
     parser.add_argument("--worker", choices=workers, required=True)
     parser.add_argument("out_dir")
     parser.add_argument("crash_dir", nargs="?")
@@ -3245,6 +3479,10 @@ if __name__ == "__main__":
         run_review(cli.out_dir)
     elif cli.worker == "save_failures":
         run_save_failures(cli.out_dir)
+    elif cli.worker == "crash_record":
+        run_crash_record(cli.out_dir)
+    elif cli.worker == "loader_alone":
+        run_loader_alone(cli.out_dir)
     elif cli.worker == "flags_and_data":
         run_flags_and_data(cli.out_dir)
     elif cli.worker == "rendezvous":

@@ -2555,7 +2555,8 @@ def crash_states(operations, root, snapshots):
 
 
 def lay_out(files, where):
-    """Write a crash state into the empty folder where: each file holds the first bytes of its source."""
+    """Write a crash state into the new folder where: each file holds the first bytes of its source."""
+    os.makedirs(where)
     for path, spec in sorted(files.items()):
         target = os.path.join(where, path)
         if spec is None:
@@ -2630,7 +2631,8 @@ def test_a_crash_at_any_file_operation_of_a_save_leaves_the_newest_committed_che
     step k + 1 or the newest step saved before it (none before the first), never a partial checkpoint, never
     an error."""
     for model, states in crash_points.items():
-        assert len(states) > 50, (model, len(states))  # every operation of the three saves, not a handful
+        # Every operation of the three saves (of the third alone with latest lost), not a handful of them.
+        assert len(states) > (30 if model == "latest lost" else 100), (model, len(states))
         for save, loaded in states:
             before = {0: None, 1: 1, 2: 2}[save]
             assert loaded in (before, save + 1), (model, save, loaded)

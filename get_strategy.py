@@ -604,8 +604,8 @@ class DeepspeedStrategy:
         # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
-        options = {"collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last}  # passed through
-        options["num_workers"] = num_workers
+        # The caller's options, passed through.
+        options = dict(collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, num_workers=num_workers)
         return StatefulDataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -837,8 +837,7 @@ class DeepspeedStrategy:
                 )
             else:
                 reader = ReshapingReader(engine, ckpt_dir, done)
-                optimizer_states = load_optimizer_states and not load_module_only
-                client_state = reader.load(loadable, optimizer_states and trains)
+                client_state = reader.load(loadable, load_optimizer_states and trains and not load_module_only)
                 load_path = os.path.join(ckpt_dir, model_states_file(done["zero_stage"]))
                 self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
@@ -907,11 +906,8 @@ class DeepspeedStrategy:
         checkpoint passes, else (error type, why), alike on every rank. Every rank checks that each file is there
         at its saved size and content, and the CRCs of its share of the files' records (torch.load checks none)."""
         # A save over an existing tag that crashed while swapping folders left a complete one under another name.
-        names = [
-            name
-            for name in (tag, tag + STAGING, tag + REPLACED)
-            if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))
-        ]
+        folders = (tag, tag + STAGING, tag + REPLACED)
+        names = [name for name in folders if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))]
         folder = names[0] if names else tag
         path, done, problem = os.path.join(load_dir, folder), None, None
         if names:
@@ -986,9 +982,8 @@ class DeepspeedStrategy:
             try:
                 with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
                     if contents.get(name, None) not in (None, self._records_digest(path, archive)):
-                        return (
-                            f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
-                        )
+                        why = "its records differ; copied from another?"
+                        return f"{path} is not the file this checkpoint saved ({why})"
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
                         for info in archive.infolist():
                             record += 1
@@ -1357,6 +1352,7 @@ class ReshapingReader:
         self.engine, self.ckpt_dir, self.done = engine, ckpt_dir, done
         self.optimizer = training_optimizer(engine)
         self.kind = type(self.optimizer).__name__
+        self.names = {id(p): name for name, p in engine.module.named_parameters()}  # each parameter's name
 
     @torch.no_grad()
     def load(self, loadable: set, optimizer_states: bool) -> dict:
@@ -1379,9 +1375,8 @@ class ReshapingReader:
                 state = base.state[master]  # torch's optimizers make an entry for any key asked for
                 for key in keys:
                     state.setdefault(key, torch.zeros_like(master))
-                    state[key].view(-1)[offset : offset + length] = read_elements(
-                        saved.pieces.get((name, key), []), start, length
-                    )
+                    values = read_elements(saved.pieces.get((name, key), []), start, length)
+                    state[key].view(-1)[offset : offset + length] = values
                 # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
                 # capturable), DeepSpeedCPUAdam in an int.
                 on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
@@ -1422,12 +1417,10 @@ class ReshapingReader:
         raise ValueError(f"{why}: resume in the checkpoint's own shape ({self.done['zero_stage']=})")
 
     def trained_names(self) -> set:
-        names = {id(p): name for name, p in self.engine.module.named_parameters()}
-        return {names[id(p)] for params in self.groups_and_masters()[0] for p in params}
+        return {self.names[id(p)] for params in self.groups_and_masters()[0] for p in params}
 
     def owned_fragments(self):
         """Each fragment of a trained parameter that this rank's optimizer steps, with the master holding it."""
-        names = {id(p): name for name, p in self.engine.module.named_parameters()}
         rank, world_size = dist.get_rank(), dist.get_world_size()
         for params, master in zip(*self.groups_and_masters(), strict=True):
             if self.kind in FLAT_RANGES:  # a parameter's _hp_mapping says which part of the range is its
@@ -1435,14 +1428,14 @@ class ReshapingReader:
                     if p._hp_mapping is not None:  # None: no part of p lies in this rank's range
                         # lp: the 16-bit (low-precision) parameter; hp: its fp32 (high-precision) master.
                         lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-                        yield Fragment(names[id(p)], lp.start, hp.start, lp.numel), master
+                        yield Fragment(self.names[id(p)], lp.start, hp.start, lp.numel), master
             elif self.kind == "DeepSpeedZeroOptimizer_Stage3":  # a flat partition per sub-group
-                shapes = {names[id(p)]: p.ds_shape for p in params}
+                shapes = {self.names[id(p)]: p.ds_shape for p in params}
                 for fragment in zero3_layout(shapes, world_size, rank):
                     yield fragment, master
             else:  # ZeRO 0: whole parameters, their masters a list alike
                 for p, copy in zip(params, master, strict=True):
-                    yield Fragment(names[id(p)], 0, 0, p.numel()), copy
+                    yield Fragment(self.names[id(p)], 0, 0, p.numel()), copy
 
     def state_keys(self, base, saved: SavedCheckpoint) -> set:
         """The state keys this run's optimizer steps with, which must be the saved ones: refuses otherwise."""
@@ -1544,9 +1537,8 @@ class ReshapingReader:
                 for name, start, offset, length in layout:
                     add(name, start, {"value": flat}, offset, length)
                     add_state(name, start, torch_state["state"].get(g, {}), offset, length)
-            groups = torch_state["param_groups"]
-        if stage == 0:
-            groups = torch_state["param_groups"]
+        # The groups' hyperparameters: rank 0's model file at ZeRO 0, else any rank's optimizer file (the last read).
+        groups = torch_state["param_groups"]
         # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies in the
         # module, or at ZeRO 3 among the frozen fragments read above, like the buffers.
         for name in done["tensors"]:

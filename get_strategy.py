@@ -652,9 +652,8 @@ class DeepspeedStrategy:
             except OSError as error:
                 problem = f"save_ckpt could not make {staging} on rank 0: {error}"
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
-        problem = self._first_of_ranks(
-            self._write_own_files(engine, save_dir, tag, client_state or {})
-        )  # and every rank's are durable
+        # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
+        problem = self._first_of_ranks(self._write_own_files(engine, save_dir, tag, client_state or {}))
         if problem is None and self.is_rank_0():  # one writer for every shared file
             try:
                 self._commit_checkpoint(engine, save_dir, tag, save_latest)

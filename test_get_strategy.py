@@ -35,6 +35,18 @@ What the tests establish (two ranks over gloo unless noted):
   max_mem and never deletes foreign folders; a resume in another shape writes nothing beside the checkpoint;
   a checkpoint's pickled payload does run in load_ckpt, which is why its docstring warns; a checkpoint of the
   previous release resumes in its own shape and names the reason it cannot in another.
+- load_ckpt under review: a ZeRO 2 checkpoint resumes into every optimizer class DeepSpeed builds for the flags
+  the constructor accepts (each combination built and listed), with the fp32 masters and moments DeepSpeed's own
+  getters report; a layer frozen after a warm start and a frozen parameter a user's optimizer lists get the
+  checkpoint's values; without load_module_strict what matches by name and shape loads and the rest keeps its
+  values; eval engines at ZeRO 0 and 3 load the weights; a plain DeepSpeed checkpoint loads in its own shape and
+  is refused in another; amsgrad's state carries, and an optimizer without it is refused before anything
+  changes; groups match by name; a same-size file from another checkpoint and a damaged record are named.
+- Saves that fail: a file-size limit on rank 0, rank 1 or both, and a tmpfs that fills, make every rank raise
+  within a second naming the rank and the file, leave no staging folder and the previous checkpoint loadable; a
+  save the free space cannot hold is refused before writing; the example stops with the reason and resumes. A
+  crash at every file-system operation of three saves (traced with strace; a killed process and a power cut)
+  leaves a state from which load_ckpt loads the checkpoint before or the one being saved.
 - Weights: save_model at ZeRO 3 writes gathered weights that load into a plain module, keeps every key of
   state_dict() (a submodule under two names) and writes a tied weight once, leaves every rank's weights
   unchanged, saves persistent buffers; load_model refuses a file carrying code, a flipped bit, or none of whose
@@ -1777,6 +1789,31 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
     assert losses(stopped, "train") | losses(resumed, "train") == uninterrupted
     first = (example_dir / "weights_ds" / "pytorch_model.bin").read_bytes()
     assert (example_dir / "weights_resumed" / "pytorch_model.bin").read_bytes() == first
+
+
+def test_a_save_that_fails_stops_the_example_saying_why_and_the_same_command_resumes_once_there_is_room(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full disk needs a tmpfs, which needs root: {mounted.stderr.decode()}")
+    try:
+        ckpt = str(disk / "ckpt")
+        command = [PYTHON, "train_example.py", *TINY, "--zero_stage", "2", "--save_steps", "4", "--ckpt_path", ckpt]
+        run_example([*command, "--stop_at_step", "4"])
+        saved = os.path.join(ckpt, "global_step4")
+        size = sum(os.path.getsize(os.path.join(saved, name)) for name in os.listdir(saved))
+        filler = disk / "filler"
+        filler.write_bytes(bytes(shutil.disk_usage(disk).free - size // 2))  # room for half a checkpoint
+        returncode, failed = launch([*command, "--load_checkpoint"], 180)
+        assert returncode == 1 and "Traceback" not in failed, failed[-3000:]
+        assert "stopped at step 8: save_ckpt refused before writing" in failed, failed[-3000:]
+        assert "rerun with --load_checkpoint" in failed
+        filler.unlink()
+        resumed = run_example([*command, "--load_checkpoint"])
+        assert "resumed from" in resumed and "at step 4" in resumed and "final held-out loss" in resumed
+    finally:
+        subprocess.run(["umount", str(disk)])
 
 
 def test_a_run_stopped_on_two_ranks_at_zero_3_continues_on_one_rank_at_zero_2_within_rounding(

@@ -478,13 +478,16 @@ def main(args):
 
     def save_checkpoint(step):
         started = time.perf_counter()
-        strategy.save_ckpt(
-            engine,
-            args.ckpt_path,
-            max_num=args.max_ckpt_num,
-            max_mem=args.max_ckpt_mem,
-            client_state={"consumed_samples": step * args.train_batch_size},
-        )
+        state = {"consumed_samples": step * args.train_batch_size}
+        try:
+            strategy.save_ckpt(
+                engine, args.ckpt_path, max_num=args.max_ckpt_num, max_mem=args.max_ckpt_mem, client_state=state
+            )
+        except RuntimeError as error:  # every rank raises it alike (a full disk, say): stop here, with its reason
+            bar.close()
+            strategy.print(f"stopped at step {step}: {error}; make room, then rerun with --load_checkpoint")
+            strategy.teardown()
+            sys.exit(1)
         if strategy.is_rank_0():  # one rank sizes the folder on the shared filesystem
             folder = os.path.join(args.ckpt_path, f"global_step{step}")
             size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))

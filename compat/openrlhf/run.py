@@ -174,7 +174,7 @@ def launch(pipeline, stage, work, site, pretrain, name, resume):
             "--eval_dataset",
             os.path.join(work, "pairs.jsonl"),
             "--learning_rate",
-            "2e-2",
+            "1e-2",
         ],
         "dpo": ["--prompt_key", "prompt"],
     }[pipeline]

@@ -1792,12 +1792,7 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(de
 
 
 def test_a_save_that_fails_stops_the_example_saying_why_and_the_same_command_resumes_once_there_is_room(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"a full disk needs a tmpfs, which needs root: {mounted.stderr.decode()}")
-    try:
+    with small_disk(tmp_path / "disk") as disk:
         ckpt = str(disk / "ckpt")
         command = [PYTHON, "train_example.py", *TINY, "--zero_stage", "2", "--save_steps", "4", "--ckpt_path", ckpt]
         run_example([*command, "--stop_at_step", "4"])
@@ -1812,8 +1807,6 @@ def test_a_save_that_fails_stops_the_example_saying_why_and_the_same_command_res
         filler.unlink()
         resumed = run_example([*command, "--load_checkpoint"])
         assert "resumed from" in resumed and "at step 4" in resumed and "final held-out loss" in resumed
-    finally:
-        subprocess.run(["umount", str(disk)])
 
 
 def test_a_run_stopped_on_two_ranks_at_zero_3_continues_on_one_rank_at_zero_2_within_rounding(
@@ -2324,18 +2317,24 @@ def run_review(out):
 # room. Real failures, no mock: RLIMIT_FSIZE makes one process's writes fail (EFBIG), and a small tmpfs fills.
 
 
-@pytest.fixture(scope="module")
-def save_failures_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("save_failures")
-    disk = out / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(disk)], capture_output=True)
+@contextlib.contextmanager
+def small_disk(path):
+    """A 16 MiB tmpfs mounted at path: a disk that really fills. Mounting needs root, which CI has."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(path)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"a full disk needs a tmpfs, which needs root: {mounted.stderr.decode()}")
     try:
-        returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "save_failures", str(out)), 300)
+        yield path
     finally:
-        subprocess.run(["umount", str(disk)])
+        subprocess.run(["umount", str(path)])
+
+
+@pytest.fixture(scope="module")
+def save_failures_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("save_failures")
+    with small_disk(out / "small_disk"):
+        returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "save_failures", str(out)), 300)
     assert returncode == 0, output[-5000:]
     return [read_results(out, rank) for rank in range(WORLD)]
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-__version__ = "0.16.0"
+__version__ = "0.17.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same

@@ -2,12 +2,11 @@
 training step, collectives, data loading and checkpoints that resume in any run shape.
 
 It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
-into your own trainer. Its methods
-follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with their import lines changed (README,
-"OpenRLHF"). It also takes what later releases with flat flags (up to 0.10.1) added: --param_dtype,
-get_grad_norm(), setup_dataloader's num_workers, and a loader whose state resumes mid-epoch. This file's own
-release is __version__, below: a vendored copy keeps saying which one it is, and diffing it against a newer
-release's get_strategy.py shows what changed.
+into your own trainer. Its methods follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with
+their import lines changed (README, "OpenRLHF"). It also takes what later releases with flat flags (up to 0.10.1)
+added: --param_dtype, get_grad_norm(), setup_dataloader's num_workers, and a loader whose state resumes
+mid-epoch. This file's own release is __version__, below: a vendored copy keeps saying which one it is, and
+diffing it against a newer release's get_strategy.py shows what changed.
 
 Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
 the deepspeed launcher):
@@ -29,6 +28,11 @@ machine without a GPU the ranks run on the CPU and talk over gloo.
 Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size * world_size *
 accumulated_gradient. A micro-batch is what one rank puts through one forward and backward pass; the
 train_batch_size samples of all ranks and accumulation steps make one optimizer step.
+
+The parts, in order: the flags' defaults and get_strategy(); the strategy's set-up, ds_config, prepare, backward
+and step, collectives and data (what a learner needs); checkpoints, model weights and OpenRLHF's contracts (what
+a trainer needs to run for days); the sampler and loader; last, ReshapingReader, which resumes a checkpoint in
+another run shape from DeepSpeed's private save formats (what a maintainer needs).
 
 The ZeRO stages say what each rank keeps of the training state. Stage 0: everything (plain data parallelism).
 Stage 1: the whole model and gradients, but only its 1/world_size share of the optimizer state (Adam's fp32
@@ -82,7 +86,6 @@ RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which Dee
 DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
 STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
 REPLACED = ".replaced"  # an older <tag> while the new one takes its name
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state besides its step: the running mean of gradients and of squares
 
 # Where launchers put the world size and this process's rank on its node: torchrun and the deepspeed launcher,
 # then MPI launchers (Open MPI, MVAPICH, MPICH and Intel MPI), whose variables exist before DeepSpeed's discovery.
@@ -625,7 +628,7 @@ class DeepspeedStrategy:
     # the previous, or between the two renames of step 2 the old and the new one under <tag>.replaced and
     # <tag>.saving, where load_ckpt looks for them. load_ckpt, in order: choose the checkpoint (latest's, else the
     # newest complete one) and check its files on every rank; refuse another model; load it with DeepSpeed's own
-    # load if the run shape is unchanged, else with the reader of the next section; restore the random generators.
+    # load if the run shape is unchanged, else with ReshapingReader (the file's last part); restore the generators.
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
@@ -1315,6 +1318,7 @@ WRAPPERS = {
     "DeepSpeedZeroOptimizer_Stage3": ("fp16_groups", "fp32_partitioned_groups_flat"),
 }
 FLAT_RANGES = ("DeepSpeedZeroOptimizer", "BF16_Optimizer")  # one flat range per group, cut by each rank's share
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state besides its step: the running mean of gradients and of squares
 
 
 class Piece(NamedTuple):

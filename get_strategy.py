@@ -643,6 +643,8 @@ class DeepspeedStrategy:
         size) is refused on every rank before anything is written."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
+        if isinstance(max_mem, bool) or not isinstance(max_mem, (int, float)) or not max_mem > 0:  # NaN too
+            raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
         engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)

@@ -431,6 +431,10 @@ def test_calls_made_too_early_or_with_a_bad_value_say_what_to_do(tmp_path):
             getattr(strategy, call)(data)
     with pytest.raises(ValueError, match="save_ckpt max_num 0 must be a whole number >= 1"):
         strategy.save_ckpt(None, str(tmp_path), max_num=0)
+    for max_mem in ("5", 0, float("nan"), True):  # rank 0 alone would have failed at rotation, after its commit
+        with pytest.raises(ValueError, match=rf"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0"):
+            strategy.save_ckpt(None, str(tmp_path), max_mem=max_mem)
+    assert os.listdir(tmp_path) == []
 
 
 def test_load_model_reads_a_state_dict_into_a_plain_module(tmp_path):

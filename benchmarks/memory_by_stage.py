@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py          # CPU, about 20 seconds
     torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py --json out.json
+    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py --n_layer 1 --n_embd 48    # the smallest setting
 
 The numbers are read from the tensors the engine and its optimizer hold (each storage counted once, however
 many views point into it), not from process memory. They are taken mid-accumulation, after the first

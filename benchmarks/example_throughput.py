@@ -1,6 +1,6 @@
 """Training throughput of train_example.py (its default model) at each ZeRO stage, in fp32 and bf16.
 
-    python benchmarks/example_throughput.py                # CPU: two processes per run, about 3 minutes
+    python benchmarks/example_throughput.py                # two processes per run; bf16 is slow on a CPU without bf16 instructions
     python benchmarks/example_throughput.py --nproc 1 --steps 200
     python benchmarks/example_throughput.py --stages 0 --dtypes fp32 --steps 2    # the smallest setting: seconds
 

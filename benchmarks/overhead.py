@@ -1,7 +1,7 @@
 """What get_strategy.py costs: the same training loop driven through DeepspeedStrategy and through raw
 deepspeed.initialize and engine calls, on two CPU processes.
 
-    python benchmarks/overhead.py            # about 3 minutes on a 2-core CPU
+    python benchmarks/overhead.py            # 5 to 10 minutes on a 2-core CPU
     python benchmarks/overhead.py --repeats 20 --startup_repeats 8
     python benchmarks/overhead.py --repeats 1 --steps 1 --startup_repeats 0    # the smallest setting: seconds
 

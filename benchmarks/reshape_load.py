@@ -1,7 +1,7 @@
 """What resuming in another shape costs: one checkpoint of a 100M-parameter model, saved by 2 ranks at ZeRO 2,
 loaded by 2 ranks at ZeRO 2 (DeepSpeed's own load) and at ZeRO 3 (get_strategy.py's reader), in one run.
 
-    python benchmarks/reshape_load.py                 # about 3 minutes on a 2-core CPU, 1.6 GB of disk
+    python benchmarks/reshape_load.py                 # about a minute on a 2-core CPU, 1.6 GB of disk
     python benchmarks/reshape_load.py --repeats 3 --dir /tmp/reshape-bench
     python benchmarks/reshape_load.py --layers 1 --width 64 --repeats 1    # the smallest setting: seconds
 

@@ -1,5 +1,5 @@
 """A DeepSpeed training strategy in one file: seeding, distributed set-up, the ds_config for ZeRO 0-3, the
-training step, collectives, data loading and checkpoints that resume in any run shape.
+training step, collectives, data loading and checkpoints that resume exactly, also in another run shape.
 
 It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
 into your own trainer. Its methods follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with
@@ -594,8 +594,9 @@ class DeepspeedStrategy:
         num_workers=0,
     ) -> "StatefulDataLoader":
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
-        by seed and epoch; consumed_samples (over all ranks) skips that many, so a resumed run continues. Each
-        later pass is the next epoch; loader.sampler.set_epoch(epoch, consumed_samples) chooses one. The sampler
+        by seed and epoch; consumed_samples (over all ranks) skips that many of the first pass, epoch 0 (a whole
+        epoch or more leaves it empty). Each later pass is the next epoch; loader.sampler.set_epoch(epoch,
+        consumed_samples) chooses the epoch and how far into it to start, as a resume past epoch 0 needs. The sampler
         is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way. The
         loader is a StatefulDataLoader (beside it): loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs.
         num_workers > 0 loads batches in that many processes, in the same order."""
@@ -1189,7 +1190,8 @@ class DeepspeedStrategy:
     ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
-        """OpenRLHF PPO's exponential moving average: on every accumulated_gradient-th call (once per optimizer
+        """The exponential moving average OpenRLHF's PPO actor trainer calls after optimizer_step (PPO itself has
+        not run on this file here): on every accumulated_gradient-th call (once per optimizer
         step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta) * that
         counterpart, computed on device.
         All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""

@@ -17,8 +17,8 @@ or with torchrun started on every machine:
     torchrun --nnodes 2 --node_rank 0 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
     torchrun --nnodes 2 --node_rank 1 --master_addr HOST0 --master_port 29500 --nproc_per_node 8 train_example.py ...
 
-Checkpoints and resuming (rerun the same command with --load_checkpoint after an interruption, also on another
-number of ranks at ZeRO 1 and 2; sent SIGTERM or SIGUSR1, the run saves a checkpoint and exits with 128 + it):
+Checkpoints and resuming (rerun the same command with --load_checkpoint after an interruption, also with another
+number of ranks or --zero_stage; sent SIGTERM or SIGUSR1, the run saves a checkpoint and exits with 128 + it):
     deepspeed train_example.py --zero_stage 2 --ckpt_path ckpt --save_steps 50 --load_checkpoint --save_path out
     torchrun --max_restarts 3 --nproc_per_node 2 train_example.py --zero_stage 2 --save_steps 50 --load_checkpoint
 """
@@ -114,7 +114,7 @@ def parse_args(argv=None):
     group.add_argument("--ckpt_path", default="./ckpt", help="folder for training checkpoints")
     group.add_argument("--save_steps", type=int, default=-1, help="save a checkpoint every this many steps; -1 never")
     group.add_argument("--max_ckpt_num", type=int, default=3, help="keep at most this many checkpoints")
-    group.add_argument("--max_ckpt_mem", type=float, default=1000, help="keep at most this many GB of checkpoints")
+    group.add_argument("--max_ckpt_mem", type=float, default=1000, help="keep at most this many GiB of checkpoints")
     group.add_argument(
         "--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path"
     )
@@ -153,7 +153,7 @@ def check_args(args, parser):
         "--eval_batches": (args.eval_batches, 1),
         "--logging_steps": (args.logging_steps, 1),
         "--max_ckpt_num": (args.max_ckpt_num, 1),
-        "--max_norm": (args.max_norm, 0),
+        "--local_rank": (args.local_rank, -1),
         "--weight_decay": (args.weight_decay, 0),
     }
     for flag, (value, low) in at_least.items():
@@ -168,8 +168,10 @@ def check_args(args, parser):
             return f"{flag} {value} must be at least {low} and below {high:g}"
     if not 0 < args.learning_rate < float("inf"):
         return f"--learning_rate {args.learning_rate} must be a positive number (the default is 3e-3)"
+    if not 0 <= args.max_norm < float("inf"):
+        return f"--max_norm {args.max_norm} must be a finite number >= 0 (0 turns clipping off)"
     if not 0 < args.max_ckpt_mem < float("inf"):
-        return f"--max_ckpt_mem {args.max_ckpt_mem} must be a positive number of GB"
+        return f"--max_ckpt_mem {args.max_ckpt_mem} must be a positive number of GiB"
     if args.n_embd % args.n_head:
         divisors = [n for n in range(1, args.n_embd + 1) if args.n_embd % n == 0]
         nearest = sorted(divisors, key=lambda n: abs(n - args.n_head))[:2]
@@ -183,9 +185,21 @@ def check_args(args, parser):
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         return f"--stop_at_step {args.stop_at_step} must be between 1 and --max_steps {args.max_steps}"
 
+    # What get_strategy would refuse once torch is imported, refused here with its reason.
+    weights_dtype = "bf16" if args.bf16 else "fp32"
+    if args.zero_stage == 0 and args.adam_offload:
+        return "--adam_offload needs --zero_stage 1, 2 or 3: ZeRO-Offload moves a rank's optimizer shard to the CPU"
+    if args.zero_stage == 0 and args.grad_accum_dtype not in (None, weights_dtype):
+        why = f"at stage 0 DeepSpeed accumulates gradients in the weights' dtype ({weights_dtype})"
+        return f"--grad_accum_dtype {args.grad_accum_dtype} needs --zero_stage 1, 2 or 3: {why}; drop it"
+    per_micro_step = args.micro_train_batch_size * world_size
     if args.train_batch_size is None:
-        per_micro_step = args.micro_train_batch_size * world_size
         args.train_batch_size = per_micro_step * math.ceil(32 / per_micro_step)
+    if args.train_batch_size % per_micro_step:
+        lower = args.train_batch_size // per_micro_step * per_micro_step
+        options = " or ".join(str(n) for n in (lower, lower + per_micro_step) if n > 0)
+        product = f"--micro_train_batch_size * ranks = {args.micro_train_batch_size} * {world_size} = {per_micro_step}"
+        return f"--train_batch_size {args.train_batch_size} must be a multiple of {product} (try {options})"
     # The data, from the files' sizes alone: the smallest flag change that makes it fit is named.
     available = sum(os.path.getsize(path) for path in corpus_files())
     if args.data_bytes > available:

@@ -1,7 +1,8 @@
 """Training throughput of train_example.py (its default model) at each ZeRO stage, in fp32 and bf16.
 
-    python benchmarks/example_throughput.py                # CPU: two processes per run, about 3 minutes
+    python benchmarks/example_throughput.py                # two processes per run; bf16 is slow on a CPU without bf16 instructions
     python benchmarks/example_throughput.py --nproc 1 --steps 200
+    python benchmarks/example_throughput.py --stages 0 --dtypes fp32 --steps 2    # the smallest setting: seconds
 
 Each run is `torchrun --nproc_per_node N train_example.py --zero_stage S [--bf16] --max_steps STEPS`; the figure
 is the example's own tokens/s at its last step: every token trained on, over all ranks, divided by the time
@@ -33,12 +34,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes per run")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages to run")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = parser.parse_args()
     print(f"train_example.py defaults, {args.nproc} processes, {args.steps} steps; tokens/s over all ranks")
-    print(f"{'stage':>5} {'fp32':>10} {'bf16':>10}")
-    for stage in range(4):
-        fp32, bf16 = (tokens_per_second(args.nproc, stage, bf16, args.steps) for bf16 in (False, True))
-        print(f"{stage:>5} {fp32:>10,.0f} {bf16:>10,.0f}", flush=True)
+    print(f"{'stage':>5}" + "".join(f" {dtype:>10}" for dtype in args.dtypes))
+    for stage in args.stages:
+        figures = [tokens_per_second(args.nproc, stage, dtype == "bf16", args.steps) for dtype in args.dtypes]
+        print(f"{stage:>5}" + "".join(f" {figure:>10,.0f}" for figure in figures), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Bytes each rank holds for parameters, gradients and optimizer state at ZeRO 0-3, against the ZeRO paper.
 
-    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py          # CPU, about 20 seconds
+    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py          # CPU: 2 minutes on a 2-core CPU
     torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py --json out.json
+    torchrun --nproc_per_node 2 benchmarks/memory_by_stage.py --n_layer 1 --n_embd 48    # the smallest setting
 
 The numbers are read from the tensors the engine and its optimizer hold (each storage counted once, however
 many views point into it), not from process memory. They are taken mid-accumulation, after the first

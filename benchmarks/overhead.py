@@ -1,8 +1,9 @@
 """What get_strategy.py costs: the same training loop driven through DeepspeedStrategy and through raw
 deepspeed.initialize and engine calls, on two CPU processes.
 
-    python benchmarks/overhead.py            # about 3 minutes on a 2-core CPU
+    python benchmarks/overhead.py            # 5 to 10 minutes on a 2-core CPU
     python benchmarks/overhead.py --repeats 20 --startup_repeats 8
+    python benchmarks/overhead.py --repeats 1 --steps 1 --startup_repeats 0    # the smallest setting: seconds
 
 Per-step time: one two-rank launch builds both engines (same model, same ds_config, same data) and times them
 in alternating blocks, A B B A A B ..., so drift in machine speed falls on both. Each block gives a median
@@ -31,6 +32,7 @@ RAW_CONFIG = {
     "zero_optimization": {
         "stage": 2,
         "offload_optimizer": {"device": "none", "pin_memory": True},
+        "overlap_comm": False,
         "stage3_gather_16bit_weights_on_model_save": True,
     },
     "bf16": {"enabled": False},
@@ -183,6 +185,8 @@ def main():
     print(f"  raw      s/step: {spread(raw_medians)}")
     print(f"  ratio strategy / raw: {spread(ratios)}")
 
+    if args.startup_repeats == 0:
+        return
     launch("--child", "raw")  # untimed: lets the first launch's one-off costs (op builds, file caches) pass
     startup = {"strategy": [], "raw": []}
     for repeat in range(args.startup_repeats):

@@ -1,8 +1,9 @@
 """What resuming in another shape costs: one checkpoint of a 100M-parameter model, saved by 2 ranks at ZeRO 2,
 loaded by 2 ranks at ZeRO 2 (DeepSpeed's own load) and at ZeRO 3 (get_strategy.py's reader), in one run.
 
-    python benchmarks/reshape_load.py                 # about 3 minutes on a 2-core CPU, 1.6 GB of disk
+    python benchmarks/reshape_load.py                 # about a minute on a 2-core CPU, 1.6 GB of disk
     python benchmarks/reshape_load.py --repeats 3 --dir /tmp/reshape-bench
+    python benchmarks/reshape_load.py --layers 1 --width 64 --repeats 1    # the smallest setting: seconds
 
 It reports, per rank (the slower rank's time counts):
 - the load time in each shape, the median of --repeats loads taken alternately (the page cache is warm for both:
@@ -24,7 +25,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIDTH, LAYERS = 2896, 12  # 12 x (2896 x 2896 + 2896) = 100.7M parameters; the largest weight is 8.4M (33.5 MB)
 
 
 def rss_anon():
@@ -62,11 +62,11 @@ def worker(args):
         strategy = get_strategy(argparse.Namespace(zero_stage=stage, micro_train_batch_size=1, train_batch_size=2))
         strategy.setup_distributed()
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
         return strategy, strategy.prepare((model, strategy.create_optimizer(model, lr=1e-4), None))[0]
 
     strategy, saving = build(2)
-    loss = saving(torch.randn(4, WIDTH)).pow(2).mean()
+    loss = saving(torch.randn(4, args.width)).pow(2).mean()
     strategy.backward(loss, saving, None)
     strategy.optimizer_step(None, saving, None)
     started = time.perf_counter()
@@ -125,6 +125,9 @@ def worker(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=12)
+    # 12 x (2896 x 2896 + 2896) = 100.7M parameters; the largest weight is 8.4M (33.5 MB).
+    parser.add_argument("--width", type=int, default=2896)
     parser.add_argument("--dir", default="/tmp/reshape-bench", help="checkpoint folder, emptied first")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,7 +135,8 @@ def main():
         return worker(args)
     shutil.rmtree(args.dir, ignore_errors=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd = [*torchrun, __file__, "--worker", "--repeats", str(args.repeats), "--dir", args.dir]
+    flags = ["--repeats", str(args.repeats), "--layers", str(args.layers), "--width", str(args.width)]
+    cmd = [*torchrun, __file__, "--worker", *flags, "--dir", args.dir]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith("rank ")) or done.stdout[-3000:])

@@ -1,7 +1,7 @@
 """What save_ckpt costs against DeepSpeed's own engine.save_checkpoint of the same engine: a 100M-parameter model at
 ZeRO 2 on 2 ranks, one launch, the two saves taken alternately (A B B A ...) into fresh folders.
 
-    python benchmarks/save_cost.py                    # about 4 minutes on a 2-core CPU, 3.2 GB of disk at a time
+    python benchmarks/save_cost.py                    # 1 to 4 minutes on a 2-core CPU, 3.2 GB of disk at a time
     python benchmarks/save_cost.py --repeats 6 --dir /tmp/save-bench
     python benchmarks/save_cost.py --layers 1 --width 256 --repeats 2    # the smallest setting: seconds
 

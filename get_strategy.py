@@ -483,15 +483,14 @@ class DeepspeedStrategy:
         engine.step()
 
     def get_grad_norm(self, model) -> float:
-        """The global L2 norm of the gradients of the last optimizer step, before clipping (OpenRLHF 0.9.6). ZeRO
+        """The global L2 norm of the gradients of the last optimizer step, before clipping (OpenRLHF 0.9.6); 0.0
+        before the first step, as OpenRLHF's own returns to its trainers, which log it after every micro-step. ZeRO
         1-3 and bf16 compute it to clip and keep it (engine.get_global_grad_norm()); at fp32 ZeRO 0, optimizer_step
         computes it."""
         engine = self._engine(model)
         fp32_stage0 = self.stage == 0 and not self.bf16
         norm = getattr(engine, "stage0_grad_norm", None) if fp32_stage0 else engine.get_global_grad_norm()
-        if norm is None:
-            raise RuntimeError("strategy.get_grad_norm() has no norm before the first optimizer step")
-        return float(norm)
+        return 0.0 if norm is None else float(norm)
 
     # ---------------------------------------------------------------------------------------------------------
     # Rank helpers, collectives and data

@@ -262,8 +262,9 @@ def launch(release, pipeline, stage, work, site, name, resume):
 
 
 def postfixes(output):
-    """rank 0's progress-bar postfixes, one a micro-step: the bar redraws a postfix until the next one."""
-    found = re.findall(r"it/s, ([^\]]*)\]", output)
+    """rank 0's training-bar postfixes, one a micro-step: the bar redraws a postfix until the next one (also after
+    an evaluation's bar, whose postfixes start with eval and are left out)."""
+    found = [p for p in re.findall(r"it/s, ([^\]]*)\]", output) if not p.startswith("eval")]
     return [p for i, p in enumerate(found) if i == 0 or p != found[i - 1]]
 
 

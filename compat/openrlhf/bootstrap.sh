@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
-# The virtual environment compat/openrlhf/run.py runs in: this project's requirements, OpenRLHF 0.8.5 without its
-# dependencies (they pin vllm, ray, flash-attn and DeepSpeed 0.17.1), and only the packages that its SFT,
-# reward-model and DPO pipelines import, at versions of the time of transformers 4.52.4 (May 2025).
+# The virtual environment compat/openrlhf/run.py runs a release of OpenRLHF in: this project's requirements (so
+# DeepSpeed 0.19.8 rather than the release's own pin), the release without its dependencies (they pin vllm, ray,
+# flash-attn and DeepSpeed), and only the packages that its pipelines import, at the versions the release pins.
 #
-#   bash compat/openrlhf/bootstrap.sh && compat/openrlhf/.venv/bin/python compat/openrlhf/run.py
+#   bash compat/openrlhf/bootstrap.sh          # 0.8.5, in compat/openrlhf/.venv
+#   bash compat/openrlhf/bootstrap.sh 0.10.1   # 0.10.1, in compat/openrlhf/.venv-0.10.1
 set -euo pipefail
+release=${1:-0.8.5}
 cd "$(dirname "$0")"
-python3 -m venv .venv
-.venv/bin/pip install -q -r ../../requirements.txt
-.venv/bin/pip install -q --no-deps openrlhf==0.8.5
-.venv/bin/pip install -q transformers==4.52.4 accelerate==1.7.0 peft==0.15.2 datasets==3.6.0
+case $release in
+    0.8.5)
+        # 0.8.5 pins no transformers: these are versions of the time of transformers 4.52.4 (May 2025). Its
+        # batch_inference also imports jsonlines.
+        venv=.venv
+        packages=(transformers==4.52.4 accelerate==1.7.0 peft==0.15.2 datasets==3.6.0 jsonlines==4.0.0)
+        ;;
+    0.10.1)
+        # 0.10.1 pins transformers 5.5.3 (and through it huggingface-hub 1.x) but leaves accelerate, peft and
+        # datasets free: these are the releases pip chose on 2026-12-01, the newest that fit that transformers.
+        # Its openrlhf.utils imports pylatexenc at the top (a grader for math answers).
+        venv=.venv-0.10.1
+        packages=(transformers==5.5.3 accelerate==1.15.0 peft==0.21.2 datasets==5.2.0 pylatexenc==2.11)
+        ;;
+    *)
+        echo "usage: bootstrap.sh [0.8.5|0.10.1]" >&2
+        exit 2
+        ;;
+esac
+python3 -m venv "$venv"
+"$venv"/bin/pip install -q -r ../../requirements.txt
+"$venv"/bin/pip install -q --no-deps "openrlhf==$release"
+"$venv"/bin/pip install -q "${packages[@]}"

@@ -1189,11 +1189,12 @@ class DeepspeedStrategy:
     ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
-        """The exponential moving average OpenRLHF's PPO actor trainer calls after optimizer_step (PPO itself has
-        not run on this file here): on every accumulated_gradient-th call (once per optimizer
-        step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta) * that
-        counterpart, computed on device.
-        All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
+        """The exponential moving average OpenRLHF's PPO actor trainer calls after optimizer_step (--enable_ema): on
+        every accumulated_gradient-th call (once per optimizer step) each weight of model_ema whose counterpart in
+        model trains becomes beta * itself + (1 - beta) * that counterpart, computed on device ("cuda", which
+        OpenRLHF's PPO passes on any machine, means this rank's accelerator). All ranks must call it; at ZeRO 3 it
+        gathers one pair of weights at a time."""
+        device = get_accelerator().current_device_name() if device == "cuda" else device
         self._ema_calls += 1
         if self._ema_calls % self.accumulated_gradient != 0:
             return

@@ -3530,10 +3530,12 @@ def worker_moving_average(results, rank):
         engine, _, _ = prepared(strategy)
         ema = strategy.prepare(make_model(init_seed=3))
         before = full_params(ema)
-        strategy.moving_average(engine, ema, beta=0.9)  # the first of ACCUM calls: no update yet
+        # OpenRLHF 0.8.5's PPO actor passes "cuda" on every machine: on this CPU, the accelerator's device is meant.
+        device = "cuda" if stage >= 2 else "cpu"
+        strategy.moving_average(engine, ema, beta=0.9, device=device)  # the first of ACCUM calls: no update yet
         after_one_call = full_params(ema)
         for _ in range(ACCUM - 1):
-            strategy.moving_average(engine, ema, beta=0.9)
+            strategy.moving_average(engine, ema, beta=0.9, device=device)
         results[f"moving_average_stage{stage}"] = dict(
             model=full_params(engine), before=before, after_one_call=after_one_call, after=full_params(ema)
         )

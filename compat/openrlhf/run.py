@@ -276,9 +276,14 @@ def main():
     parser.add_argument(
         "--only",
         nargs="*",
-        help="runs to do, such as sft_2 rm_3 (default: all six, and sft_2to3, which needs sft_2 and sft_3)",
+        help="runs to do, such as sft_2 rm_3 (default: all six, and sft_2to3, which needs sft_2 and sft_3); "
+        "ppo: only PPO under Ray, all its rows (ppo.py)",
     )
     args = parser.parse_args()
+    if args.only == ["ppo"]:
+        import ppo
+
+        sys.exit(ppo.main([]))
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     site = patched_openrlhf(args.work)

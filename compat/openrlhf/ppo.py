@@ -47,6 +47,7 @@ PROMPTS, ROLLOUT, SAMPLES = 16, 4, 2  # 16 prompts, 4 a step, 2 samples each: 8 
 STEPS = PROMPTS // ROLLOUT
 RESUME_AT = 2  # the second launch starts from the checkpoint after this step
 ROWS = ("reinforce", "gae", "ema")
+STRATEGY_DIR = REPO  # the folder whose get_strategy.py the runs import (--strategy_dir)
 
 # The reward function of the reinforce and ema rows: the share of even numbers among the response's words.
 REWARD_FUNC = """import torch
@@ -129,7 +130,7 @@ def launch(row, stage, work, site, pretrain, reward, name, resume):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(
-        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "standins"), site, REPO]),
+        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "standins"), site, STRATEGY_DIR]),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         RAY_DEDUP_LOGS="0",  # every actor's lines, so each step's status is seen
@@ -212,7 +213,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="/tmp/openrlhf-compat-ppo", help="scratch folder, emptied first")
     parser.add_argument("--only", nargs="*", help="rows to run, such as reinforce_2 gae_3 (default: all six)")
+    parser.add_argument(
+        "--strategy_dir", default=REPO, help="the folder of the get_strategy.py to run (a scratch copy)"
+    )
     args = parser.parse_args(argv)
+    global STRATEGY_DIR
+    STRATEGY_DIR = os.path.abspath(args.strategy_dir)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     site = run.patched_openrlhf(args.work)

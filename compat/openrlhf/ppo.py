@@ -22,7 +22,6 @@ the full run's; from_pretrained on the saved folder.
 """
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -144,10 +143,13 @@ def launch(row, stage, work, site, pretrain, reward, name, resume):
         raise RuntimeError(
             f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}"
         )
-    statuses = {}
-    for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout):
-        statuses[int(step)] = ast.literal_eval(text)
-    return seconds, statuses
+    # Each step's status as logged: {step: its text}; equal texts are equal numbers, to the last printed digit.
+    return seconds, {int(step): text for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
+
+
+def value(status, key):
+    """One number of a logged status (a dict's text, whose floats may be nan)."""
+    return float(re.search(rf"'{key}': ([^,}}]+)", status).group(1))
 
 
 def resume(row, stage, work, site, pretrain, reward, source, name):
@@ -184,8 +186,8 @@ def check(row, stage, work, site, pretrain, reward):
         row=row,
         stage=stage,
         checkpoints=len(checkpoints),
-        rewards=[full[s]["reward"] for s in sorted(full)],
-        losses=[full[s][key] for s in sorted(full)],
+        rewards=[value(full[s], "reward") for s in sorted(full)],
+        losses=[value(full[s], key) for s in sorted(full)],
         loss_name=key,
         same_steps=same_steps,
         resume_diff=resume_diff,

@@ -18,7 +18,9 @@ samples):
   ema:       reinforce with --enable_ema (save_model then writes the EMA model).
 Each row: a full run saving a checkpoint after every step; a second launch with --load_checkpoint from the
 checkpoint after step 2, whose steps 3 and 4 must log what the full run's did and whose saved model must equal
-the full run's; from_pretrained on the saved folder.
+the full run's (ema: OpenRLHF does not checkpoint the EMA model, so the distance is reported); from_pretrained on
+the saved folder. The ema rows need a get_strategy.py whose moving_average takes OpenRLHF's "cuda" on a CPU
+(--strategy_dir: a patched copy); this release's raises there.
 """
 
 import argparse

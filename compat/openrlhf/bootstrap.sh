@@ -2,6 +2,8 @@
 # The virtual environment compat/openrlhf/run.py runs a release of OpenRLHF in: this project's requirements (so
 # DeepSpeed 0.19.8 rather than the release's own pin), the release without its dependencies (they pin vllm, ray,
 # flash-attn and DeepSpeed), and only the packages that its pipelines import, at the versions the release pins.
+# For 0.8.5's PPO (ppo.py), also OpenRLHF's own pin of ray, and torchdata without its dependencies: OpenRLHF's own
+# strategy module imports it at its top, and PPO's modules import that module (nothing of it runs).
 #
 #   bash compat/openrlhf/bootstrap.sh          # 0.8.5, in compat/openrlhf/.venv
 #   bash compat/openrlhf/bootstrap.sh 0.10.1   # 0.10.1, in compat/openrlhf/.venv-0.10.1
@@ -13,7 +15,7 @@ case $release in
         # 0.8.5 pins no transformers: these are versions of the time of transformers 4.52.4 (May 2025). Its
         # batch_inference also imports jsonlines.
         venv=.venv
-        packages=(transformers==4.52.4 accelerate==1.7.0 peft==0.15.2 datasets==3.6.0 jsonlines==4.0.0)
+        packages=(transformers==4.52.4 accelerate==1.7.0 peft==0.15.2 datasets==3.6.0 jsonlines==4.0.0 ray==2.43.0)
         ;;
     0.10.1)
         # 0.10.1 pins transformers 5.5.3 (and through it huggingface-hub 1.x) but leaves accelerate, peft and
@@ -31,3 +33,6 @@ python3 -m venv "$venv"
 "$venv"/bin/pip install -q -r ../../requirements.txt
 "$venv"/bin/pip install -q --no-deps "openrlhf==$release"
 "$venv"/bin/pip install -q "${packages[@]}"
+if [ "$release" = 0.8.5 ]; then
+    .venv/bin/pip install -q --no-deps torchdata==0.11.0
+fi

@@ -503,7 +503,8 @@ def main():
     parser.add_argument(
         "--only",
         nargs="*",
-        help="runs to do, such as sft_2 kd_3 infer_generate_0 (default: all; sft_2to3 needs sft_2 and sft_3)",
+        help="runs to do, such as sft_2 kd_3 infer_generate_0 (default: all; sft_2to3 needs sft_2 and sft_3); "
+        "ppo: only OpenRLHF 0.8.5's PPO under Ray, all its rows (ppo.py, in 0.8.5's venv)",
     )
     parser.add_argument(
         "--python",
@@ -520,6 +521,8 @@ def main():
 
     pythons = {release: os.path.join(HERE, venv, "bin", "python") for release, venv in VENVS.items()}
     pythons.update(item.split("=", 1) for item in args.python)
+    if args.only == ["ppo"]:
+        sys.exit(subprocess.call([pythons["0.8.5"], os.path.join(HERE, "ppo.py")]))
     started, rows, failed = time.perf_counter(), [], False
     for release in args.release or list(VENVS):
         selected = [name for name in names(release) if not args.only or name in args.only]

@@ -1,0 +1,265 @@
+"""Run OpenRLHF 0.8.5's own PPO (openrlhf.cli.train_ppo_ray) on get_strategy.py, on a CPU-only Ray cluster.
+
+    bash compat/openrlhf/bootstrap.sh                 # once: compat/openrlhf/.venv, with ray 2.43.0
+    compat/openrlhf/.venv/bin/python compat/openrlhf/ppo.py [--work DIR] [--only reinforce_2 ...]
+    compat/openrlhf/.venv/bin/python compat/openrlhf/run.py --only ppo      # the same, all rows
+
+OpenRLHF's code runs as installed but for one import line of cli/train_ppo_ray.py (its get_strategy), in a copy
+run.py writes. Each launch starts Ray with logical GPUs (ray.init(num_gpus=8, num_cpus=16): Ray only counts
+them), then runs train_ppo_ray as __main__ with its own argparse: the actor on 2 ranks, the reference and reward
+model on 1, the critic on 2, one generation engine. Stand-ins cover what is GPU-only and outside the strategy,
+from standins/ (first on PYTHONPATH): `vllm` (generation with Hugging Face's generate on the CPU, taking the
+actor's weights over gloo), torch.cuda.current_device and synchronize (sitecustomize.py), and run.py's flash_attn.
+
+Rows, each at ZeRO 2 and 3, on run.py's tiny random Llama and 16 counting prompts (4 PPO steps of 4 prompts x 2
+samples):
+  reinforce: REINFORCE++ with a reward function (--remote_rm_url reward_func.py) and no critic;
+  gae:       GAE with a critic and a reward model (random value heads), the reference and reward model offloaded;
+  ema:       reinforce with --enable_ema (save_model then writes the EMA model).
+Each row: a full run saving a checkpoint after every step; a second launch with --load_checkpoint from the
+checkpoint after step 2, whose steps 3 and 4 must log what the full run's did and whose saved model must equal
+the full run's (ema: OpenRLHF does not checkpoint the EMA model, so the distance is reported); from_pretrained on
+the saved folder. --strategy_dir runs the rows on another copy of get_strategy.py.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import run  # noqa: E402  (run.py's copy of OpenRLHF, its flash_attn stand-in and its tiny model)
+
+# The one line of OpenRLHF's PPO that changes; DistributedSampler is not imported on its path.
+PPO_SWAP = (
+    "cli/train_ppo_ray.py",
+    "from openrlhf.utils import get_strategy\n",
+    "from get_strategy import get_strategy\n",
+)
+
+PROMPTS, ROLLOUT, SAMPLES = 16, 4, 2  # 16 prompts, 4 a step, 2 samples each: 8 samples and 4 PPO steps
+STEPS = PROMPTS // ROLLOUT
+RESUME_AT = 2  # the second launch starts from the checkpoint after this step
+ROWS = ("reinforce", "gae", "ema")
+STRATEGY_DIR = REPO  # the folder whose get_strategy.py the runs import (--strategy_dir)
+
+# The reward function of the reinforce and ema rows: the share of even numbers among the response's words.
+REWARD_FUNC = """import torch
+
+
+def reward_func(queries, prompts, labels):
+    rewards = []
+    for query, prompt in zip(queries, prompts):
+        words = query[len(prompt):].replace("</s>", " ").split()
+        rewards.append(sum(w.isdigit() and int(w) % 2 == 0 for w in words) / max(len(words), 1))
+    rewards = torch.tensor(rewards)
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+"""
+
+
+def fixtures(work):
+    """run.py's tiny Llama and tokenizer, a reward model on it (random value head), the prompts, the reward file."""
+    pretrain = run.fixtures(work)
+    from openrlhf.models import get_llm_for_sequence_regression
+    from transformers import AutoTokenizer
+
+    reward = os.path.join(work, "reward")
+    model = get_llm_for_sequence_regression(pretrain, "reward", init_value_head=True, bf16=False)
+    model.save_pretrained(reward)
+    AutoTokenizer.from_pretrained(pretrain).save_pretrained(reward)
+    rows = [{"input": f"count on from {n}"} for n in range(PROMPTS)]
+    run.write(os.path.join(work, "prompts.jsonl"), "".join(json.dumps(row) + "\n" for row in rows))
+    run.write(os.path.join(work, "reward_func.py"), REWARD_FUNC)
+    return pretrain, reward
+
+
+def flags(row, stage, work, pretrain, reward, out, resume):
+    options = {
+        "--pretrain": pretrain,
+        "--prompt_data": os.path.join(work, "prompts.jsonl"),
+        "--input_key": "input",
+        "--max_samples": PROMPTS,
+        "--prompt_max_len": 16,
+        "--generate_max_len": 8,
+        "--rollout_batch_size": ROLLOUT,
+        "--n_samples_per_prompt": SAMPLES,
+        "--micro_rollout_batch_size": 2,
+        "--train_batch_size": ROLLOUT * SAMPLES,  # one optimizer step a PPO step: 2 ranks x 2 micro-batches of 2
+        "--micro_train_batch_size": 2,
+        "--actor_num_gpus_per_node": 2,
+        "--critic_num_gpus_per_node": 2,
+        "--ref_num_gpus_per_node": 1,
+        "--reward_num_gpus_per_node": 1,
+        "--vllm_num_engines": 1,
+        "--vllm_sync_backend": "gloo",
+        "--zero_stage": stage,
+        "--actor_learning_rate": "1e-3",
+        "--critic_learning_rate": "1e-3",
+        "--lr_warmup_ratio": 0,
+        "--save_steps": 1,
+        "--max_ckpt_num": 100,
+        "--ckpt_path": os.path.join(out, "ckpt"),
+        "--save_path": os.path.join(out, "final"),
+        "--seed": 42,
+    }
+    if row == "gae":
+        options.update({"--advantage_estimator": "gae", "--reward_pretrain": reward})
+        extra = ["--ref_reward_offload", "--save_value_network"]
+    else:
+        options.update({"--advantage_estimator": "reinforce", "--remote_rm_url": os.path.join(work, "reward_func.py")})
+        extra = ["--enable_ema"] if row == "ema" else []
+    if resume:
+        extra.append("--load_checkpoint")
+    return [str(item) for option in options.items() for item in option] + extra
+
+
+def launch(row, stage, work, site, pretrain, reward, name, resume):
+    """One driver process running train_ppo_ray under Ray; returns (seconds, {step: status logged})."""
+    out = os.path.join(work, name)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--launch",
+        *flags(row, stage, work, pretrain, reward, out, resume),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "standins"), site, STRATEGY_DIR]),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        RAY_DEDUP_LOGS="0",  # every actor's lines, so each step's status is seen
+    )
+    started = time.perf_counter()
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work)
+    seconds = time.perf_counter() - started
+    with open(os.path.join(work, f"{name}.log"), "w") as f:
+        f.write(done.stdout)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}"
+        )
+    # Each step's status as logged: {step: its text}; equal texts are equal numbers, to the last printed digit.
+    return seconds, {int(step): text for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
+
+
+def value(status, key):
+    """One number of a logged status (a dict's text, whose floats may be nan)."""
+    return float(re.search(rf"'{key}': ([^,}}]+)", status).group(1))
+
+
+def resume(row, stage, work, site, pretrain, reward, source, name):
+    """Launch `name` with --load_checkpoint from a copy of `source`'s checkpoints, latest naming step RESUME_AT."""
+    resumed = os.path.join(work, name)
+    shutil.rmtree(resumed, ignore_errors=True)
+    shutil.copytree(os.path.join(work, source, "ckpt"), os.path.join(resumed, "ckpt"))
+    for model in ("_actor", "_critic"):
+        if os.path.isdir(os.path.join(resumed, "ckpt", model)):
+            run.write(os.path.join(resumed, "ckpt", model, "latest"), f"global_step{RESUME_AT}")
+    return launch(row, stage, work, site, pretrain, reward, name, resume=True)
+
+
+def check(row, stage, work, site, pretrain, reward):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    name = f"{row}_{stage}"
+    seconds, full = launch(row, stage, work, site, pretrain, reward, name, resume=False)
+    assert sorted(full) == list(range(1, STEPS + 1)), f"steps logged: {sorted(full)}"
+    checkpoints = [
+        n for n in os.listdir(os.path.join(work, name, "ckpt", "_actor")) if re.fullmatch(r"global_step\d+", n)
+    ]
+    _, again = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
+    assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1)), f"resumed steps logged: {sorted(again)}"
+    same_steps = all(again[s] == full[s] for s in again)  # every logged number, to the bit
+    final = run.saved_weights(os.path.join(work, name, "final"))
+    resume_diff = run.max_abs_diff(final, run.saved_weights(os.path.join(work, f"{name}_resumed", "final")))
+    loaded, info = AutoModelForCausalLM.from_pretrained(os.path.join(work, name, "final"), output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    equal = all(torch.equal(loaded.state_dict()[k], v) for k, v in final.items() if k in loaded.state_dict())
+    key = "critic_loss" if row == "gae" else "policy_loss"
+    return dict(
+        row=row,
+        stage=stage,
+        checkpoints=len(checkpoints),
+        rewards=[value(full[s], "reward") for s in sorted(full)],
+        losses=[value(full[s], key) for s in sorted(full)],
+        loss_name=key,
+        same_steps=same_steps,
+        resume_diff=resume_diff,
+        loads=not problems and equal,
+        problems=problems,
+        seconds=seconds,
+    )
+
+
+def launched():
+    """The driver: Ray with logical GPUs, then OpenRLHF's train_ppo_ray as __main__ with the flags after --launch."""
+    import runpy
+
+    import ray
+
+    ray.init(num_gpus=8, num_cpus=16, include_dashboard=False, object_store_memory=256 * 1024**2)
+    try:
+        sys.argv = ["train_ppo_ray", *sys.argv[2:]]
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    finally:
+        ray.shutdown()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="/tmp/openrlhf-compat-ppo", help="scratch folder, emptied first")
+    parser.add_argument("--only", nargs="*", help="rows to run, such as reinforce_2 gae_3 (default: all six)")
+    parser.add_argument(
+        "--strategy_dir", default=REPO, help="the folder of the get_strategy.py to run (a scratch copy)"
+    )
+    args = parser.parse_args(argv)
+    global STRATEGY_DIR
+    STRATEGY_DIR = os.path.abspath(args.strategy_dir)
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    site = run.patched_openrlhf(args.work)
+    path, old, new = PPO_SWAP
+    text = open(os.path.join(site, "openrlhf", path)).read()
+    assert text.count(old) == 1, f"{path}: expected the line {old!r} once"
+    run.write(os.path.join(site, "openrlhf", path), text.replace(old, new))
+    sys.path[:0] = [site, REPO]
+    pretrain, reward = fixtures(args.work)
+    rows = [(r, s) for r in ROWS for s in (2, 3) if not args.only or f"{r}_{s}" in args.only]
+    print(
+        "| row | ZeRO | PPO steps | checkpoints | reward, step 1 → 4 | loss, step 1 → 4 | resumed steps 3-4 equal | "
+        "resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    failed = False
+    for row, stage in rows:
+        try:
+            r = check(row, stage, args.work, site, pretrain, reward)
+        except Exception as error:  # report and go on, so one failure does not hide the others
+            print(f"| {row} | {stage} | FAILED: {str(error).splitlines()[0]} | | | | | | | |", flush=True)
+            failed = True
+            continue
+        exact = r["resume_diff"] == 0 or row == "ema"  # OpenRLHF does not checkpoint the EMA model
+        ok = r["checkpoints"] == STEPS and r["same_steps"] and exact and r["loads"]
+        failed |= not ok
+        print(
+            f"| {row} | {stage} | {len(r['rewards'])} | {r['checkpoints']} | "
+            f"{r['rewards'][0]:.4f} → {r['rewards'][-1]:.4f} | {r['loss_name']} {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | "
+            f"{'yes' if r['same_steps'] else 'NO'} | {r['resume_diff']:.1e} | {'loads' if r['loads'] else r['problems']} | "
+            f"{r['seconds']:.0f} |" + ("" if ok else " <- FAILED"),
+            flush=True,
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--launch"]:
+        launched()
+    else:
+        sys.exit(main())

@@ -484,7 +484,7 @@ class DeepspeedStrategy:
 
     def get_grad_norm(self, model) -> float:
         """The global L2 norm of the gradients of the last optimizer step, before clipping (OpenRLHF 0.9.6); 0.0
-        before the first step, as OpenRLHF's own returns to its trainers, which log it after every micro-step. ZeRO
+        before the first step, as OpenRLHF's own strategy returns (its trainers log it after every micro-step). ZeRO
         1-3 and bf16 compute it to clip and keep it (engine.get_global_grad_norm()); at fp32 ZeRO 0, optimizer_step
         computes it."""
         engine = self._engine(model)

@@ -224,7 +224,7 @@ def main(argv=None):
     STRATEGY_DIR = os.path.abspath(args.strategy_dir)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    site = run.patched_openrlhf(args.work)
+    site = run.patched_openrlhf(args.work, "0.8.5")
     path, old, new = PPO_SWAP
     text = open(os.path.join(site, "openrlhf", path)).read()
     assert text.count(old) == 1, f"{path}: expected the line {old!r} once"

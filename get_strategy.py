@@ -151,6 +151,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _first_variable(names):
     """The value of the first of these environment variables that is set, else None."""
     return next((os.environ[name] for name in names if name in os.environ), None)
@@ -198,7 +202,7 @@ class DeepspeedStrategy:
         for flag, value in switches.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{flag} {value!r} must be True or False (an argparse store_true flag)")
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 <= max_norm < math.inf:
+        if not (_is_number(max_norm) and 0 <= max_norm < math.inf):
             raise ValueError(f"--max_norm {max_norm!r} must be a finite number >= 0 (0 turns gradient clipping off)")
         if grad_accum_dtype not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"--grad_accum_dtype {grad_accum_dtype!r} must be fp32, bf16 or fp16, or left unset")
@@ -643,7 +647,7 @@ class DeepspeedStrategy:
         size) is refused on every rank before anything is written."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
-        if isinstance(max_mem, bool) or not isinstance(max_mem, (int, float)) or not max_mem > 0:  # NaN too
+        if not (_is_number(max_mem) and max_mem > 0):  # NaN too
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
         engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"

@@ -43,7 +43,6 @@ weights, gathering each layer's full weights just while the layer runs.
 import gc
 import json
 import math
-import mmap
 import os
 import pickle
 import random
@@ -51,7 +50,6 @@ import resource
 import shutil
 import signal
 import socket
-import struct
 import tempfile
 import zipfile
 import zlib
@@ -127,18 +125,15 @@ def get_strategy(args) -> "DeepspeedStrategy":
     names = ["seed", "full_determinism", "max_norm", "micro_train_batch_size", "train_batch_size", "bf16"]
     names += ["adam_offload", "overlap_comm", "grad_accum_dtype", "local_rank"]
     flags = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    # The precision: --bf16 up to OpenRLHF 0.9.1, --param_dtype from 0.9.2 on. --bf16 is a store_true flag, whose
-    # False only means "not given": so the two disagree only as --bf16 with a --param_dtype other than bf16.
+    # The precision: --bf16 up to OpenRLHF 0.9.1, --param_dtype from 0.9.2 on. Only bf16 passes, so --bf16 (a
+    # store_true flag, whose False only means "not given") and --param_dtype never disagree.
     param_dtype = getattr(args, "param_dtype", None)
-    if param_dtype is not None:
-        if param_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"--param_dtype {param_dtype!r} must be bf16 or fp16 (leave it out for fp32)")
-        if flags.get("bf16") is True and param_dtype != "bf16":
-            raise ValueError(f"--bf16 and --param_dtype {param_dtype} disagree: drop --bf16, which 0.9.2 replaced")
-        if param_dtype == "fp16":
-            why = "DeepSpeed's fp16 scales the loss and skips steps that overflow, which this file does not handle"
-            cpu = "DeepSpeed refuses fp16 on a CPU without fp16 kernels"
-            raise ValueError(f"--param_dtype fp16 is not supported: {why}, and {cpu}; use --param_dtype bf16")
+    if param_dtype not in (None, "bf16"):
+        fp16 = (
+            "fp16 is not supported: DeepSpeed's fp16 scales the loss and skips steps, which this file does not handle"
+        )
+        raise ValueError(f"--param_dtype {param_dtype!r} must be bf16, or left out for fp32 ({fp16})")
+    if param_dtype == "bf16":
         flags["bf16"] = True
     return DeepspeedStrategy(zero_stage=args.zero_stage, args=args, **flags)
 
@@ -885,12 +880,6 @@ class DeepspeedStrategy:
         if tag is None:  # latest's checkpoint first, then the complete ones, newest first
             latest = self._read_latest(load_dir)
             complete = [name for name in reversed(self._complete_checkpoints(load_dir)) if name != latest]
-            # A save over a tag that crashed between its two renames, and lost latest too, left its complete
-            # checkpoint under <tag>.saving or <tag>.replaced: _check_checkpoint(tag) looks there.
-            names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
-            swapped = [name for name in names if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))]
-            swapped = {name.removesuffix(STAGING).removesuffix(REPLACED) for name in swapped} - {latest, *complete}
-            complete += sorted(swapped)
             if latest is None and complete:
                 self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete one, {complete[0]}")
             candidates = ([latest] if latest is not None else []) + complete
@@ -898,11 +887,11 @@ class DeepspeedStrategy:
         candidates = self._first_of_ranks(candidates) or []
         problems = []  # (error type, why) of each candidate that failed, newest first
         for name in candidates:
-            folder, done, problem = self._check_checkpoint(load_dir, name)
+            done, problem = self._check_checkpoint(load_dir, name)
             if problem is None:
                 if problems:
                     self.print(f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes")
-                return folder, done
+                return name, done
             problems.append(problem)
         if not problems:
             return None, None
@@ -910,15 +899,11 @@ class DeepspeedStrategy:
         raise error_type(why if len(problems) == 1 else f"{why}; and {len(problems) - 1} older ones fail too")
 
     def _check_checkpoint(self, load_dir, tag):
-        """(folder, record, problem): the folder holding tag's checkpoint and its record, with problem None if the
-        checkpoint passes, else (error type, why), alike on every rank. Every rank checks that each file is there
+        """(record, problem): the record of the checkpoint load_dir/tag, with problem None if it passes, else
+        (error type, why), alike on every rank. Every rank checks that each file is there
         at its saved size and content, and the CRCs of its share of the files' records (torch.load checks none)."""
-        # A save over an existing tag that crashed while swapping folders left a complete one under another name.
-        folders = (tag, tag + STAGING, tag + REPLACED)
-        names = [name for name in folders if os.path.isfile(os.path.join(load_dir, name, DONE_FILE))]
-        folder = names[0] if names else tag
-        path, done, problem = os.path.join(load_dir, folder), None, None
-        if names:
+        path, done, problem = os.path.join(load_dir, tag), None, None
+        if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
             if done is None:
                 problem = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
@@ -933,7 +918,7 @@ class DeepspeedStrategy:
             done = {**self._run_shape(), "files": {}, "contents": {}, "tensors": None, "groups": None, **done}
             damage = self._damaged_files(path, done["files"], done["contents"], self.get_rank(), self.world_size)
             problem = (RuntimeError, f"checkpoint {path} does not load: {damage}") if damage else None
-        return folder, done, self._first_of_ranks(problem)
+        return done, self._first_of_ranks(problem)
 
     def _read_record(self, path):
         """A checkpoint's record, or None if it is damaged (it carries its own CRC; older releases wrote none)."""
@@ -948,12 +933,10 @@ class DeepspeedStrategy:
     def _record_crc(self, done) -> int:
         return zlib.crc32(json.dumps(done, sort_keys=True).encode())
 
-    def _records_digest(self, path, archive=None) -> int:
+    def _records_digest(self, path) -> int:
         """The CRC of a zip file's list of records and their CRCs, read from its central directory alone."""
-        if archive is None:
-            with zipfile.ZipFile(path) as archive:
-                return self._records_digest(path, archive)
-        return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
+        with zipfile.ZipFile(path) as archive:
+            return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
 
     def _is_plain_deepspeed(self, path) -> bool:
         """Whether path holds DeepSpeed's files but none of save_ckpt's: a checkpoint of plain DeepSpeed's (or
@@ -977,10 +960,8 @@ class DeepspeedStrategy:
     def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
         ({name: bytes}) is there at its size and holds the records contents names ({name: _records_digest}, where
-        recorded), then the CRCs of its share of the files' records: every
-        world_size-th record, from the rank-th on. torch.save writes a zip archive, each tensor a record stored
-        uncompressed with its CRC: this computes each CRC straight from the memory-mapped file."""
-        record = -1  # the index of each record, counted over all the files
+        recorded), then reads its share of each file's records (every world_size-th, from the rank-th on). torch.save
+        writes a zip archive, each tensor a record with its CRC, which zipfile checks on reading the record's end."""
         for name, size in sizes.items():
             path = os.path.join(folder, name)
             found = os.path.getsize(path) if os.path.isfile(path) else None
@@ -988,22 +969,14 @@ class DeepspeedStrategy:
                 state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
                 return f"{path} {state} on {socket.gethostname()}"
             try:
-                with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-                    if contents.get(name, None) not in (None, self._records_digest(path, archive)):
-                        why = "its records differ; copied from another?"
-                        return f"{path} is not the file this checkpoint saved ({why})"
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
-                        for info in archive.infolist():
-                            record += 1
-                            if record % world_size == rank:  # this rank's share
-                                # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
-                                # lengths of the name and the extra field that come next.
-                                name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
-                                start = info.header_offset + 30 + name_length + extra_length
-                                crc = zlib.crc32(view[start : start + info.compress_size])
-                                if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
-                                    return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
-            except (OSError, ValueError, struct.error, zipfile.BadZipFile) as error:
+                if contents.get(name) not in (None, self._records_digest(path)):
+                    return f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
+                with zipfile.ZipFile(path) as archive:
+                    for info in archive.infolist()[rank::world_size]:
+                        with archive.open(info) as record:
+                            while record.read(2**24):  # 16 MiB at a time, never a whole tensor in memory
+                                pass
+            except (OSError, ValueError, zipfile.BadZipFile) as error:
                 return f"{name} is damaged ({error})"
         return None
 
@@ -1072,10 +1045,11 @@ class DeepspeedStrategy:
         return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
     def _complete_checkpoints(self, save_dir: str) -> list:
-        """The complete checkpoints in save_dir, oldest first (by when they were completed)."""
+        """The complete checkpoints in save_dir, oldest first (by when they were completed). A save over a tag that
+        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count."""
         names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
         done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
-        complete = [n for n, path in done.items() if os.path.isfile(path) and not n.endswith((STAGING, REPLACED))]
+        complete = [n for n, path in done.items() if os.path.isfile(path)]
         return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
 
     def _read_latest(self, save_dir: str):

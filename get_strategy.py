@@ -814,23 +814,24 @@ class DeepspeedStrategy:
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
         ckpt_dir = os.path.join(load_dir, folder)
-        mismatch = self._model_mismatch(done, engine.module, ckpt_dir)
+        here = self._tensor_shapes(engine.module)
+        # Older releases did not record the model's tensors: theirs are taken to be these (and load only natively).
+        saved = here if done["tensors"] is None else done["tensors"]
+        mismatch = self._model_mismatch(saved, here, ckpt_dir)
         if load_module_strict:
             self._raise_on_every_rank(mismatch, ValueError)
-        same_shape = all(done[key] == value for key, value in self._run_shape().items())
+        saved_shape = {key: done[key] for key in self._run_shape()}
         trains = training_optimizer(engine) is not None
-        native = same_shape and mismatch is None and trains and not load_module_only
+        native = saved_shape == self._run_shape() and mismatch is None and trains and not load_module_only
         if done.get("unverified"):  # a plain DeepSpeed checkpoint: only DeepSpeed's load reads it
-            shape = {key: done[key] for key in self._run_shape()}
-            fix = f"resume it with {shape}, call save_ckpt once, and resume that checkpoint in any shape"
+            fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
             why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint) and loads only as saved"
             self._raise_on_every_rank(None if native else f"{why}: {fix}", ValueError)
             self.print(f"warning: {why}; loading it with DeepSpeed's own load, unverified (no sizes or CRCs)")
         elif not native and done["groups"] is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
             self._raise_on_every_rank(why, ValueError)
-        here = self._tensor_shapes(engine.module)
-        loadable = {name for name, shape in here.items() if done["tensors"] and done["tensors"].get(name) == shape}
+        loadable = {name for name, shape in here.items() if saved.get(name) == shape}
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
         reader, error = None, None
         try:
@@ -850,7 +851,7 @@ class DeepspeedStrategy:
         if reader is not None:
             reader.finish()  # collective
             if mismatch:
-                kept, unused = sorted(set(here) - loadable), sorted(set(done["tensors"]) - loadable)
+                kept, unused = sorted(set(here) - loadable), sorted(set(saved) - loadable)
                 self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
         if rng_states is not None:
             self._set_rng_states(rng_states)
@@ -883,10 +884,9 @@ class DeepspeedStrategy:
             if latest is None and complete:
                 self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete one, {complete[0]}")
             candidates = ([latest] if latest is not None else []) + complete
-        # One list for every rank, since each candidate's check is collective: that of the first rank that sees any.
-        candidates = self._first_of_ranks(candidates) or []
         problems = []  # (error type, why) of each candidate that failed, newest first
-        for name in candidates:
+        # One list for every rank, since each candidate's check is collective: that of the first rank that sees any.
+        for name in self._first_of_ranks(candidates) or []:
             done, problem = self._check_checkpoint(load_dir, name)
             if problem is None:
                 if problems:
@@ -902,17 +902,17 @@ class DeepspeedStrategy:
         """(record, problem): the record of the checkpoint load_dir/tag, with problem None if it passes, else
         (error type, why), alike on every rank. Every rank checks that each file is there
         at its saved size and content, and the CRCs of its share of the files' records (torch.load checks none)."""
-        path, done, problem = os.path.join(load_dir, tag), None, None
+        path, problem = os.path.join(load_dir, tag), None
         if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
             if done is None:
                 problem = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
-        elif self._is_plain_deepspeed(path):
-            done = self._plain_deepspeed_record(path)
         else:
-            what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
-            why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
-            problem = (FileNotFoundError, f"{what}: {why}; load an earlier tag")
+            done = self._plain_deepspeed_record(path)
+            if done is None:
+                what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
+                why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
+                problem = (FileNotFoundError, f"{what}: {why}; load an earlier tag")
         if done is not None:
             # What older releases did not record: the shape is taken to be this run's, and the model to match.
             done = {**self._run_shape(), "files": {}, "contents": {}, "tensors": None, "groups": None, **done}
@@ -938,17 +938,14 @@ class DeepspeedStrategy:
         with zipfile.ZipFile(path) as archive:
             return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
 
-    def _is_plain_deepspeed(self, path) -> bool:
-        """Whether path holds DeepSpeed's files but none of save_ckpt's: a checkpoint of plain DeepSpeed's (or
-        OpenRLHF's) save, not one of save_ckpt's that lost its record."""
-        saved = any(os.path.isfile(os.path.join(path, model_states_file(stage))) for stage in (0, 3))
-        return saved and not os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0)))
-
-    def _plain_deepspeed_record(self, path) -> dict:
+    def _plain_deepspeed_record(self, path):
         """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
-        model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits."""
-        name = next(name for name in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, name)))
-        states = torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=False)
+        model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits. None
+        unless path holds DeepSpeed's files and none of save_ckpt's (not one of save_ckpt's that lost its record)."""
+        names = [name for name in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, name))]
+        if not names or os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0))):
+            return None
+        states = torch.load(os.path.join(path, names[0]), map_location="cpu", mmap=True, weights_only=False)
         config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
         zero = config.get("zero_optimization", {})
         offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
@@ -993,11 +990,9 @@ class DeepspeedStrategy:
         if found:
             raise error_type(found)
 
-    def _model_mismatch(self, done, module, ckpt_dir):
-        """Why the checkpoint holds another model than module (its first differing names and shapes), else None."""
-        if done["tensors"] is None:  # saved by an older release, which did not record them
-            return None
-        saved, here = done["tensors"], self._tensor_shapes(module)
+    def _model_mismatch(self, saved, here, ckpt_dir):
+        """Why the checkpoint's tensors ({name: shape}) are another model's than here (its first differing names
+        and shapes), else None."""
         differing = [name for name in sorted(set(saved) | set(here)) if saved.get(name) != here.get(name)]
         if not differing:
             return None
@@ -1349,12 +1344,11 @@ class ReshapingReader:
         base = getattr(self.optimizer, "optimizer", self.optimizer)  # the wrappers hold torch's or DeepSpeed's Adam
         if optimizer_states:
             keys = self.state_keys(base, saved)
-            matches = self.match_groups()
+            matches = self.match_groups(saved.groups)
         # Checked: from here on only writes.
-        for fragment, master in fragments:
-            if fragment.name not in loadable:
+        for (name, start, offset, length), master in fragments:
+            if name not in loadable:
                 continue
-            name, start, offset, length = fragment
             master.view(-1)[offset : offset + length] = read_elements(saved.pieces[name, "value"], start, length)
             if optimizer_states:
                 state = base.state[master]  # torch's optimizers make an entry for any key asked for
@@ -1369,18 +1363,16 @@ class ReshapingReader:
                 is_torch = type(base).__module__.startswith("torch.")
                 state["step"] = torch.tensor(float(saved.step), device=device) if is_torch else saved.step
         if optimizer_states:
-            for group, match in zip(base.param_groups, matches, strict=True):
-                if match is not None:  # the hyperparameters, not the switches of how a step is computed
-                    switches = {"params", "foreach", "fused", "capturable", "differentiable"}
-                    group.update({key: value for key, value in saved.groups[match].items() if key not in switches})
+            for group, saved_group in zip(base.param_groups, matches, strict=True):
+                # The hyperparameters ({} where no saved group matches), not the switches of how a step is computed.
+                switches = {"params", "foreach", "fused", "capturable", "differentiable"}
+                group.update({key: value for key, value in saved_group.items() if key not in switches})
         # The 16-bit weights of trained parameters come from their masters: written here where this rank holds
         # the whole master (or its ZeRO 3 partition); where a flat range cuts them, finish() gathers them.
         cut = self.trained_names() if self.kind in FLAT_RANGES else set()
         module = self.engine.module
-        tensors = dict(module.named_parameters())
-        tensors.update((name, b) for name, b in module.named_buffers() if name in self.done["tensors"])
-        for name, tensor in tensors.items():
-            if name in loadable and name not in cut:
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in loadable and name not in cut:  # loadable holds saved tensors only
                 write_tensor(tensor, saved.pieces[name, "value"])
         return saved.model_states
 
@@ -1406,7 +1398,6 @@ class ReshapingReader:
 
     def owned_fragments(self):
         """Each fragment of a trained parameter that this rank's optimizer steps, with the master holding it."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
         for params, master in zip(*self.groups_and_masters(), strict=True):
             if self.kind in FLAT_RANGES:  # a parameter's _hp_mapping says which part of the range is its
                 for p in params:
@@ -1416,7 +1407,7 @@ class ReshapingReader:
                         yield Fragment(self.names[id(p)], lp.start, hp.start, lp.numel), master
             elif self.kind == "DeepSpeedZeroOptimizer_Stage3":  # a flat partition per sub-group
                 shapes = {self.names[id(p)]: p.ds_shape for p in params}
-                for fragment in zero3_layout(shapes, world_size, rank):
+                for fragment in zero3_layout(shapes, dist.get_world_size(), dist.get_rank()):
                     yield fragment, master
             else:  # ZeRO 0: whole parameters, their masters a list alike
                 for p, copy in zip(params, master, strict=True):
@@ -1437,9 +1428,9 @@ class ReshapingReader:
             raise ValueError(f"checkpoint {self.ckpt_dir} holds other optimizer state: {differ}")
         return expected
 
-    def match_groups(self) -> list:
-        """For each of this run's optimizer groups, the saved group holding its parameters (None if it holds
-        none of them): groups are matched by their parameters' names, never by position."""
+    def match_groups(self, saved_groups: list) -> list:
+        """For each of this run's optimizer groups, the saved group (of saved_groups) holding its parameters ({} if
+        none does): groups are matched by their parameters' names, never by position."""
         here, saved = self.engine.param_group_names, self.done["groups"]
         matches = []
         for names in here:
@@ -1447,7 +1438,7 @@ class ReshapingReader:
             if len(owners) > 1:
                 why = f"this run groups the parameters otherwise: saved {saved}, here {here}"
                 raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match: {why}")
-            matches.append(owners.pop() if owners else None)
+            matches.append(saved_groups[owners.pop()] if owners else {})
         return matches
 
     def read_saved(self) -> SavedCheckpoint:
@@ -1468,21 +1459,20 @@ class ReshapingReader:
 
         pieces, steps, state_keys = {}, [], set()
 
-        def add(name, start, tensors, offset=0, length=None):
-            """Record each tensor of `tensors` but the step as a piece of `name` from element start on: its
-            flattened elements [offset, offset + length), or all."""
-            for key, tensor in tensors.items():
-                if key != "step":
-                    end = None if length is None else offset + length
-                    pieces.setdefault((name, key), []).append(Piece(start, tensor.reshape(-1)[offset:end]))
+        def add(name, key, start, tensor, offset=0, length=None):
+            """Record tensor as a piece of (name, key) from element start on: its flattened elements
+            [offset, offset + length), or all."""
+            end = None if length is None else offset + length
+            pieces.setdefault((name, key), []).append(Piece(start, tensor.reshape(-1)[offset:end]))
 
         def add_state(name, start, state, offset=0, length=None):
             """The optimizer's state of one parameter (ZeRO 0) or flat range (ZeRO 1-3): its moments and its
             step. Steps are all the run's step count, except where a parameter never had a gradient (none yet):
             so the largest is the one to resume from."""
             steps.append(state.get("step", 0))
-            state_keys.update(key for key in state if key != "step")
-            add(name, start, state, offset, length)
+            for key in state.keys() - {"step"}:
+                state_keys.add(key)
+                add(name, key, start, state[key], offset, length)
 
         model_states = load(model_states_file(stage))
         module = model_states["module"]
@@ -1492,9 +1482,9 @@ class ReshapingReader:
             for g, (group, names) in enumerate(zip(torch_state["param_groups"], done["groups"], strict=True)):
                 for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
                     value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
-                    add(name, 0, {"value": value})
-                    if index in torch_state["state"]:  # none for a parameter that never had a gradient
-                        add_state(name, 0, torch_state["state"][index])
+                    add(name, "value", 0, value)
+                    # None for a parameter that never had a gradient, as in ZeRO 1-3's files below.
+                    add_state(name, 0, torch_state["state"].get(index, {}))
         # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
         # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is
         # where the next fragment starts.
@@ -1517,10 +1507,10 @@ class ReshapingReader:
                 frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
                 for name, fragment in frozen.items():
                     start, length, _ = zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
-                    add(name, start, {"value": fragment}, 0, length)
+                    add(name, "value", start, fragment, 0, length)
             for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
                 for name, start, offset, length in layout:
-                    add(name, start, {"value": flat}, offset, length)
+                    add(name, "value", start, flat, offset, length)
                     add_state(name, start, torch_state["state"].get(g, {}), offset, length)
         # The groups' hyperparameters: rank 0's model file at ZeRO 0, else any rank's optimizer file (the last read).
         groups = torch_state["param_groups"]
@@ -1528,7 +1518,7 @@ class ReshapingReader:
         # module, or at ZeRO 3 among the frozen fragments read above, like the buffers.
         for name in done["tensors"]:
             if (name, "value") not in pieces and (stage < 3 or name in model_states["buffer_names"]):
-                add(name, 0, {"value": module[name]})
+                add(name, "value", 0, module[name])
             if (name, "value") not in pieces:
                 raise ValueError(f"checkpoint {self.ckpt_dir} holds no value of {name}: it was not saved whole")
         return SavedCheckpoint(pieces, groups, int(max(steps, default=0)), state_keys, model_states)

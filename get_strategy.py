@@ -43,6 +43,7 @@ weights, gathering each layer's full weights just while the layer runs.
 import gc
 import json
 import math
+import mmap
 import os
 import pickle
 import random
@@ -50,6 +51,7 @@ import resource
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 import zipfile
 import zlib
@@ -625,9 +627,10 @@ class DeepspeedStrategy:
     #   3. rank 0 deletes <tag>.replaced, and the oldest checkpoints over max_num and max_mem (each record first).
     # A folder without its record is no checkpoint, so a crash or a power cut at any moment leaves a complete one:
     # the previous, or between the two renames of step 2 the old and the new one under <tag>.replaced and
-    # <tag>.saving, where load_ckpt looks for them. load_ckpt, in order: choose the checkpoint (latest's, else the
-    # newest complete one) and check its files on every rank; refuse another model; load it with DeepSpeed's own
-    # load if the run shape is unchanged, else with ReshapingReader (the file's last part); restore the generators.
+    # <tag>.saving, which load_ckpt(tag=None) counts among the complete ones. load_ckpt, in order: choose the
+    # checkpoint (latest's, else the newest complete one) and check its files on every rank; refuse another model;
+    # load it with DeepSpeed's own load if the run shape is unchanged, else with ReshapingReader (the file's last
+    # part); restore the generators.
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
@@ -957,8 +960,11 @@ class DeepspeedStrategy:
     def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
         ({name: bytes}) is there at its size and holds the records contents names ({name: _records_digest}, where
-        recorded), then reads its share of each file's records (every world_size-th, from the rank-th on). torch.save
-        writes a zip archive, each tensor a record with its CRC, which zipfile checks on reading the record's end."""
+        recorded), then the CRCs of its share of the files' records: every world_size-th record, from the rank-th on,
+        counted over all the files (every rank's optimizer file has the same records, so a count per file would send
+        the large ones to the same ranks). torch.save writes a zip archive, each tensor a record stored
+        uncompressed with its CRC: this computes each CRC straight from the memory-mapped file."""
+        record = -1  # the index of each record, counted over all the files
         for name, size in sizes.items():
             path = os.path.join(folder, name)
             found = os.path.getsize(path) if os.path.isfile(path) else None
@@ -966,14 +972,22 @@ class DeepspeedStrategy:
                 state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
                 return f"{path} {state} on {socket.gethostname()}"
             try:
-                if contents.get(name) not in (None, self._records_digest(path)):
-                    return f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
-                with zipfile.ZipFile(path) as archive:
-                    for info in archive.infolist()[rank::world_size]:
-                        with archive.open(info) as record:
-                            while record.read(2**24):  # 16 MiB at a time, never a whole tensor in memory
-                                pass
-            except (OSError, ValueError, zipfile.BadZipFile) as error:
+                with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+                    if contents.get(name, None) not in (None, self._records_digest(path)):
+                        why = "its records differ; copied from another?"
+                        return f"{path} is not the file this checkpoint saved ({why})"
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
+                        for info in archive.infolist():
+                            record += 1
+                            if record % world_size == rank:  # this rank's share
+                                # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
+                                # lengths of the name and the extra field that come next.
+                                name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
+                                start = info.header_offset + 30 + name_length + extra_length
+                                crc = zlib.crc32(view[start : start + info.compress_size])
+                                if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
+                                    return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
+            except (OSError, ValueError, NotImplementedError, struct.error, zipfile.BadZipFile) as error:
                 return f"{name} is damaged ({error})"
         return None
 
@@ -1045,6 +1059,9 @@ class DeepspeedStrategy:
         names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
         done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
         complete = [n for n, path in done.items() if os.path.isfile(path)]
+        # <tag>.saving and <tag>.replaced count only while <tag> is not complete: otherwise <tag> superseded them.
+        base = {n: n.removesuffix(STAGING).removesuffix(REPLACED) for n in complete}
+        complete = [n for n in complete if base[n] == n or base[n] not in complete]
         return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
 
     def _read_latest(self, save_dir: str):

@@ -1370,7 +1370,9 @@ class ReshapingReader:
             if optimizer_states:
                 state = base.state[master]  # torch's optimizers make an entry for any key asked for
                 for key in keys:
-                    state.setdefault(key, torch.zeros_like(master))
+                    # Not setdefault, whose default (a tensor the size of the master) would be built on every call.
+                    if key not in state:
+                        state[key] = torch.zeros_like(master)
                     values = read_elements(saved.pieces.get((name, key), []), start, length)
                     state[key].view(-1)[offset : offset + length] = values
                 # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or

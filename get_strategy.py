@@ -131,9 +131,7 @@ def get_strategy(args) -> "DeepspeedStrategy":
     # store_true flag, whose False only means "not given") and --param_dtype never disagree.
     param_dtype = getattr(args, "param_dtype", None)
     if param_dtype not in (None, "bf16"):
-        fp16 = (
-            "fp16 is not supported: DeepSpeed's fp16 scales the loss and skips steps, which this file does not handle"
-        )
+        fp16 = "fp16 is not supported: DeepSpeed's fp16 scales the loss and skips steps, which this file does not do"
         raise ValueError(f"--param_dtype {param_dtype!r} must be bf16, or left out for fp32 ({fp16})")
     if param_dtype == "bf16":
         flags["bf16"] = True
@@ -903,8 +901,8 @@ class DeepspeedStrategy:
 
     def _check_checkpoint(self, load_dir, tag):
         """(record, problem): the record of the checkpoint load_dir/tag, with problem None if it passes, else
-        (error type, why), alike on every rank. Every rank checks that each file is there
-        at its saved size and content, and the CRCs of its share of the files' records (torch.load checks none)."""
+        (error type, why), alike on every rank. Every rank checks that each file is there at its saved size and
+        content, and the CRCs of its share of the files' records (torch.load checks none)."""
         path, problem = os.path.join(load_dir, tag), None
         if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
@@ -1055,11 +1053,11 @@ class DeepspeedStrategy:
 
     def _complete_checkpoints(self, save_dir: str) -> list:
         """The complete checkpoints in save_dir, oldest first (by when they were completed). A save over a tag that
-        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count."""
+        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count while
+        <tag> itself is not complete (once it is, they are superseded copies)."""
         names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
         done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
         complete = [n for n, path in done.items() if os.path.isfile(path)]
-        # <tag>.saving and <tag>.replaced count only while <tag> is not complete: otherwise <tag> superseded them.
         base = {n: n.removesuffix(STAGING).removesuffix(REPLACED) for n in complete}
         complete = [n for n in complete if base[n] == n or base[n] not in complete]
         return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
@@ -1502,7 +1500,7 @@ class ReshapingReader:
                 for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
                     value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
                     add(name, "value", 0, value)
-                    # None for a parameter that never had a gradient, as in ZeRO 1-3's files below.
+                    # {} for a parameter that never had a gradient (no moments, step 0), as in ZeRO 1-3's files below.
                     add_state(name, 0, torch_state["state"].get(index, {}))
         # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
         # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is

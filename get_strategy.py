@@ -110,13 +110,11 @@ def get_strategy(args) -> "DeepspeedStrategy":
     """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
     place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
     which every run must choose."""
-    if getattr(args, "zero_stage", None) is None and hasattr(getattr(args, "ds", None), "zero_stage"):
-        why = "OpenRLHF 0.10.2 and later nest their flags; get_strategy.py follows the flat ones, up to OpenRLHF 0.10.1"
-        fix = "pass flat flags (args.zero_stage, args.train_batch_size, ...), or use that release's own strategy"
-        raise ValueError(f"args.ds.zero_stage: {why}: {fix}")
     if getattr(args, "zero_stage", None) is None:
         fix = "add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) and run with --zero_stage 2"
-        raise ValueError(f"--zero_stage is required: {fix}, for example")
+        if hasattr(getattr(args, "ds", None), "zero_stage"):  # args.ds.zero_stage: flags nested by their group
+            fix = "OpenRLHF 0.10.2 on nests flags (args.ds.zero_stage): pass them flat, as up to OpenRLHF 0.10.1"
+        raise ValueError(f"--zero_stage is required: {fix}")
     for flag, (off, feature) in LEFT_OUT.items():
         value = getattr(args, flag, off)
         if value != off:
@@ -686,15 +684,15 @@ class DeepspeedStrategy:
                 except Exception as error:
                     failed.append((path, str(error)))  # not the error itself: its traceback holds the file open
 
-        writer.save = lambda state_dict, path: attempt(path, write, state_dict, path)
+        def write_durably(state_dict, path):  # on the disk, not only in the page cache, before rank 0 commits
+            write(state_dict, path)
+            self._fsync(path)
+
+        writer.save = lambda state_dict, path: attempt(path, write_durably, state_dict, path)
         try:
-            rng_file = os.path.join(staging, RNG_FILE.format(rank=rank))
-            attempt(rng_file, torch.save, self._get_rng_states(), rng_file)
+            writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
             engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
-            for name in os.listdir(staging):  # on the disk, not only in the page cache, before rank 0 commits
-                if self._written_by(name, rank):
-                    attempt(os.path.join(staging, name), self._fsync, os.path.join(staging, name))
-            attempt(staging, self._fsync, staging)
+            attempt(staging, self._fsync, staging)  # the folder's list of names, too
         except OSError as error:  # the folder itself is gone (a node that lost its mount)
             failed.append((staging, str(error)))
         finally:
@@ -725,14 +723,6 @@ class DeepspeedStrategy:
         why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
         fix = f"rotation cannot make room, since it deletes only after a save: free space, or keep fewer ({keep})"
         return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
-
-    def _written_by(self, name, rank) -> bool:
-        """Whether this rank wrote a checkpoint file: its RNG file, its ZeRO shards, and at rank 0 the rest."""
-        if name.startswith("rng_state_rank"):
-            return name == RNG_FILE.format(rank=rank)
-        if "zero_pp_rank_" in name:
-            return f"zero_pp_rank_{rank}_" in name
-        return rank == 0
 
     def _commit_checkpoint(self, engine, save_dir, tag, save_latest):
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)

@@ -505,7 +505,7 @@ def test_openrlhf_0_10_2s_nested_args_are_refused_naming_the_release_boundary():
     import types
 
     args = types.SimpleNamespace(ds=types.SimpleNamespace(zero_stage=2, param_dtype="bf16"))  # hierarchize's shape
-    with pytest.raises(ValueError, match=r"args\.ds\.zero_stage: OpenRLHF 0\.10\.2 .* up to OpenRLHF 0\.10\.1"):
+    with pytest.raises(ValueError, match=r"OpenRLHF 0\.10\.2 .*args\.ds\.zero_stage.* up to OpenRLHF 0\.10\.1"):
         get_strategy(args)
 
 
@@ -660,19 +660,6 @@ def test_local_rank_comes_from_an_mpi_launchers_variables(clean_launch_env, monk
     strategy = get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))
     strategy.setup_distributed()
     assert strategy.local_rank == 1
-
-
-def test_every_file_of_a_checkpoint_is_made_durable_by_exactly_one_rank():
-    """Each rank fsyncs the files it wrote; a file nobody claimed would not survive a power cut."""
-    strategy = DeepspeedStrategy(zero_stage=3)
-    for world_size in (1, 2, 3):
-        names = ["mp_rank_00_model_states.pt", "zero_to_fp32.py"]
-        for rank in range(world_size):
-            names += [f"rng_state_rank{rank}.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"]
-            names += [f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
-        for name in names:
-            claimed = [rank for rank in range(world_size) if strategy._written_by(name, rank)]
-            assert len(claimed) == 1, (world_size, name, claimed)
 
 
 def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
@@ -2161,9 +2148,17 @@ def test_two_nodes_simulated_with_torchrun_nnodes_train_like_one_node(deepspeed_
     assert (example_dir / "weights_nodes" / "pytorch_model.bin").read_bytes() == first
 
 
-def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(deepspeed_two_ranks, example_dir):
+@pytest.fixture(scope="module")
+def stopped_at_step_4(example_dir):
+    """(its checkpoint folder, its output): the example under torchrun (2 ranks, ZeRO 3), stopped at step 4 of 8."""
     ckpt = str(example_dir / "ckpt_resume")
-    stopped = run_example(torchrun("train_example.py", *SHARED, "--ckpt_path", ckpt, "--stop_at_step", "4"))
+    return ckpt, run_example(torchrun("train_example.py", *SHARED, "--ckpt_path", ckpt, "--stop_at_step", "4"))
+
+
+def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(
+    deepspeed_two_ranks, example_dir, stopped_at_step_4
+):
+    ckpt, stopped = stopped_at_step_4
     assert "stopped at step 4 of 8" in stopped
     assert sorted(losses(stopped, "train")) == [1, 2, 3, 4]
     assert re.search(rf"checkpoint {re.escape(ckpt)}/global_step4: [\d.]+ MB in [\d.]+ s", stopped)  # a line a save
@@ -2206,11 +2201,11 @@ def test_a_save_that_fails_stops_the_example_saying_why_and_the_same_command_res
 
 
 def test_a_run_stopped_on_two_ranks_at_zero_3_continues_on_one_rank_at_zero_2_within_rounding(
-    deepspeed_two_ranks, example_dir
+    deepspeed_two_ranks, example_dir, stopped_at_step_4
 ):
-    """The checkpoint the test above stopped at (2 ranks, ZeRO 3, step 4) resumed by plain python at ZeRO 2."""
+    """The checkpoint of the run stopped at step 4 (2 ranks, ZeRO 3) resumed by plain python at ZeRO 2."""
     ckpt = example_dir / "ckpt_reshaped"
-    shutil.copytree(example_dir / "ckpt_resume", ckpt)
+    shutil.copytree(stopped_at_step_4[0], ckpt)
     for name in os.listdir(ckpt):
         if name.startswith("global_step") and name != "global_step4":
             shutil.rmtree(ckpt / name)

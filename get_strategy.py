@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-__version__ = "0.18.1"
+__version__ = "0.18.2"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same

@@ -49,11 +49,14 @@ def worker(args):
         return seconds.item()
 
     def durable_deepspeed_save(folder):  # DeepSpeed's save, then an fsync of each file this rank wrote
-        engine.save_checkpoint(folder)
-        for root, _, names in os.walk(folder):
-            for name in names:
-                if strategy._written_by(name, strategy.get_rank()):
-                    strategy._fsync(os.path.join(root, name))
+        written, write = [], engine.checkpoint_engine.save
+        engine.checkpoint_engine.save = lambda state_dict, path: (write(state_dict, path), written.append(path))
+        try:
+            engine.save_checkpoint(folder)
+        finally:
+            del engine.checkpoint_engine.save  # DeepSpeed's method again
+        for path in written:
+            strategy._fsync(path)
 
     saves = {
         "save_ckpt": lambda folder: strategy.save_ckpt(engine, folder),

@@ -1377,6 +1377,9 @@ def test_a_folder_without_checkpoints_loads_nothing_and_an_incomplete_checkpoint
         assert got["missing"] == (None, {})  # what OpenRLHF's trainers from 0.9.10 on check for a fresh start
         assert got["incomplete"].startswith("FileNotFoundError: checkpoint ") and "half" in got["incomplete"]
         assert "is missing or incomplete" in got["incomplete"]
+        # A named tag whose complete copy sits in <tag>.saving says that tag=None finds it, and tag=None does.
+        assert "or tag=None, which also finds a complete global_step0.saving" in got["swapped_named"]
+        assert "global_step0.saving" in got["swapped_found"]
 
 
 def test_a_truncated_or_damaged_file_is_named_on_every_rank_which_all_stop_at_once(core_run):
@@ -3349,6 +3352,14 @@ def worker_load_errors(results, rank, out_dir):
     torch.distributed.barrier()
     got["missing"] = strategy.load_ckpt(engine, empty)
     got["incomplete"] = error_of(strategy.load_ckpt, engine, half)
+    # A crash between a save's two renames left the new checkpoint complete under <tag>.saving only.
+    swapped = os.path.join(out_dir, "swapped")
+    strategy.save_ckpt(engine, swapped)
+    if rank == 0:
+        os.rename(os.path.join(swapped, "global_step0"), os.path.join(swapped, "global_step0.saving"))
+    torch.distributed.barrier()
+    got["swapped_named"] = error_of(strategy.load_ckpt, engine, swapped, tag="global_step0")
+    got["swapped_found"] = strategy.load_ckpt(engine, swapped)[0]
     # A checkpoint is pickled: what a crafted one carries runs while it loads.
     crafted, marker = os.path.join(out_dir, "crafted"), os.path.join(out_dir, "payload_ran")  # rank 0's object
     strategy.save_ckpt(engine, crafted, client_state={"payload": Payload(marker)})

@@ -903,7 +903,7 @@ class DeepspeedStrategy:
             if done is None:
                 what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
                 why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
-                fix = f"load an earlier tag, or tag=None, which also finds a complete {tag}{STAGING} left by a crash"
+                fix = f"load an earlier tag, or tag=None, which also finds a complete {tag}{STAGING} if any"
                 problem = (FileNotFoundError, f"{what}: {why}; {fix}")
         if done is not None:
             # What older releases did not record: the shape is taken to be this run's, and the model to match.

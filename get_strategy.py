@@ -962,7 +962,7 @@ class DeepspeedStrategy:
                 return f"{path} {state} on {socket.gethostname()}"
             try:
                 with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-                    if contents.get(name, None) not in (None, self._records_digest(path)):
+                    if contents.get(name) not in (None, self._records_digest(path)):
                         why = "its records differ; copied from another?"
                         return f"{path} is not the file this checkpoint saved ({why})"
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:

@@ -595,7 +595,10 @@ class DeepspeedStrategy:
         consumed_samples) chooses the epoch and how far into it to start, as a resume past epoch 0 needs. The sampler
         is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way. The
         loader is a StatefulDataLoader (beside it): loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs.
-        num_workers > 0 loads batches in that many processes, in the same order."""
+        num_workers > 0 loads batches in that many processes, in the same order. A resume gives the same samples,
+        but a dataset that draws random numbers itself (augmentation, random truncation) draws others with workers:
+        torch seeds the workers once per pass and sends batch i to worker i % num_workers, and the loader's state
+        keeps neither. With num_workers=0 those draws come from the generators load_ckpt restores."""
         if sampler is None:
             # The process group's shard, even where this strategy has not joined it yet. Without a group (PPO's
             # driver builds its prompts loader before any) a world of one: all the dataset, shuffled by seed and epoch.
@@ -620,7 +623,8 @@ class DeepspeedStrategy:
     #   1. every rank writes its files into save_dir/<tag>.saving and makes them durable (fsync);
     #   2. rank 0 writes the record there, renames an older <tag> to <tag>.replaced, renames <tag>.saving to
     #      <tag>, and only then points save_dir/latest at it;
-    #   3. rank 0 deletes <tag>.replaced, and the oldest checkpoints over max_num and max_mem (each record first).
+    #   3. rank 0 deletes <tag>.replaced, then rotates: the older best checkpoint if this one is a best, the
+    #      checkpoints over max_num and max_mem (each record first), and staging folders of saves that crashed.
     # A folder without its record is no checkpoint, so a crash or a power cut at any moment leaves a complete one:
     # the previous, or between the two renames of step 2 the old and the new one under <tag>.replaced and
     # <tag>.saving, which load_ckpt(tag=None) counts among the complete ones. load_ckpt, in order: choose the
@@ -628,12 +632,26 @@ class DeepspeedStrategy:
     # load it with DeepSpeed's own load if the run shape is unchanged, else with ReshapingReader (the file's last
     # part); restore the generators.
 
-    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True):
+    def save_ckpt(
+        self,
+        model,
+        save_dir,
+        tag=None,
+        max_num=3,
+        max_mem=1000,
+        client_state=None,
+        save_latest=True,
+        metric_value=None,
+        metric_key=None,
+    ):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
         ranks must call it, and save_dir must be on a filesystem every rank sees. The default tag is
-        global_step<N>. Then the oldest complete checkpoints go until at most max_num and max_mem GiB remain
-        (never the new one or latest's).
+        global_step<N>. Then checkpoints go until at most max_num and max_mem GiB remain (never the new one or
+        latest's): those without a metric_value first, then the lowest metric_value (higher is better), then the
+        oldest. As in OpenRLHF 0.10: a tag starting with "best" is a best checkpoint, which max_num does not count
+        and rotation never deletes, but max_mem counts; a new best replaces the older best once it is committed.
+        metric_value (with its metric_key, a name) is kept in the checkpoint's record.
 
         A save that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every rank,
         naming the rank, the file and the error, and removes what it wrote; the previous checkpoint and latest stay
@@ -643,6 +661,8 @@ class DeepspeedStrategy:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         if not (_is_number(max_mem) and max_mem > 0):  # NaN too
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
+        if metric_value is not None and not (_is_number(metric_value) and math.isfinite(metric_value)):
+            raise ValueError(f"save_ckpt metric_value {metric_value!r} must be a finite number, or None for no metric")
         engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)
@@ -657,10 +677,10 @@ class DeepspeedStrategy:
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
         problem = self._first_of_ranks(self._write_own_files(engine, save_dir, tag, client_state or {}))
+        metric = None if metric_value is None else {"key": metric_key, "value": float(metric_value)}
         if problem is None and self.is_rank_0():  # one writer for every shared file
             try:
-                self._commit_checkpoint(engine, save_dir, tag, save_latest)
-                self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+                self._commit_checkpoint(engine, save_dir, tag, save_latest, metric)
             except OSError as error:
                 problem = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
         problem = self._first_of_ranks(problem)
@@ -668,6 +688,11 @@ class DeepspeedStrategy:
             shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
             raise RuntimeError(f"{problem}; the checkpoint before it is unchanged")
+        if self.is_rank_0():  # the new checkpoint is committed: a failure from here on loses nothing
+            try:
+                self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+            except OSError as error:
+                self.print(f"warning: {tag} is saved in {save_dir}, but rotating older checkpoints failed: {error}")
 
     def _write_own_files(self, engine, save_dir, tag, client_state):
         """Write this rank's files of the checkpoint into <tag>.saving and make them durable; returns None, or what
@@ -689,6 +714,11 @@ class DeepspeedStrategy:
             self._fsync(path)
 
         writer.save = lambda state_dict, path: attempt(path, write_durably, state_dict, path)
+        # One file DeepSpeed writes without its writer: rank 0 copies its scripts zero_to_fp32.py and
+        # zero_to_torch.py into save_dir at ZeRO 1-3. Raised, that failure would leave the others in DeepSpeed's
+        # last barrier until the process group's timeout.
+        copy_scripts = engine._copy_recovery_script
+        engine._copy_recovery_script = lambda path: attempt(os.path.join(path, "zero_to_fp32.py"), copy_scripts, path)
         try:
             writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
             engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
@@ -696,7 +726,7 @@ class DeepspeedStrategy:
         except OSError as error:  # the folder itself is gone (a node that lost its mount)
             failed.append((staging, str(error)))
         finally:
-            del writer.save  # the method of DeepSpeed's class again
+            del writer.save, engine._copy_recovery_script  # the methods of DeepSpeed's classes again
         if not failed:
             return None
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
@@ -724,13 +754,14 @@ class DeepspeedStrategy:
         fix = f"rotation cannot make room, since it deletes only after a save: free space, or keep fewer ({keep})"
         return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
 
-    def _commit_checkpoint(self, engine, save_dir, tag, save_latest):
+    def _commit_checkpoint(self, engine, save_dir, tag, save_latest, metric):
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
         # The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
         # ZeRO 0 checkpoint keys Adam's state by position alone), and every file's size.
         done = self._run_shape()
         done["tensors"] = self._tensor_shapes(engine.module)
         done["groups"] = getattr(engine, "param_group_names", None)
+        done["metric"] = metric  # {key, value} or None: rotation ranks by it, and it is durable with the rest
         done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
         # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
         done["contents"] = {name: self._records_digest(os.path.join(staging, name)) for name in done["files"]}
@@ -759,16 +790,76 @@ class DeepspeedStrategy:
         return shapes
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
+        """After a commit: delete the older best checkpoints if keep is a best one, then the checkpoints over
+        max_num (which best ones do not count) or max_bytes (which they do), in the order save_ckpt's docstring
+        gives, never keep or latest's; then the staging folders that saves which crashed left before keep."""
         protected = {keep, self._read_latest(save_dir)}
-        ours = self._complete_checkpoints(save_dir)
+        # This file's complete checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this
+        # file), oldest first. A link (a run branched from another run's checkpoint) is kept as a foreign folder:
+        # deleting through it would delete the other run's checkpoint.
+        ours = self._complete_checkpoints(save_dir) + self._plain_checkpoints(save_dir)
+        ours = [n for n in ours if not os.path.islink(os.path.join(save_dir, n))]
+        ours.sort(key=lambda n: self._completed_at(os.path.join(save_dir, n)))
+        best = [n for n in ours if n.startswith("best")]
+        if keep.startswith("best"):
+            for name in [n for n in best if n not in protected]:
+                self._delete_checkpoint(save_dir, name)
+                ours.remove(name)
         sizes = {name: self._folder_bytes(os.path.join(save_dir, name)) for name in ours}
-        count, total = len(ours), sum(sizes.values())
-        for name in [name for name in ours if name not in protected]:  # oldest first
+        count, total = len([n for n in ours if not n.startswith("best")]), sum(sizes.values())
+        metrics = {name: self._saved_metric(os.path.join(save_dir, name)) for name in ours}
+        # No metric first, then the lowest, then the oldest (ours is oldest first, and sorted() keeps that order).
+        order = sorted(ours, key=lambda n: (metrics[n] is not None, metrics[n] or 0.0))
+        for name in [n for n in order if n not in protected and not n.startswith("best")]:
             if count <= max_num and total <= max_bytes:
                 break
-            os.remove(os.path.join(save_dir, name, DONE_FILE))  # first: a half-deleted folder is not complete
-            shutil.rmtree(os.path.join(save_dir, name))
+            self._delete_checkpoint(save_dir, name)
             count, total = count - 1, total - sizes[name]
+        newest = os.path.getmtime(os.path.join(save_dir, keep, DONE_FILE))
+        for name in os.listdir(save_dir):  # incomplete, so no checkpoint, and older than this one: a crashed save's
+            path = os.path.join(save_dir, name)
+            if name.endswith((STAGING, REPLACED)) and not os.path.islink(path) and os.path.isdir(path):
+                if not os.path.isfile(os.path.join(path, DONE_FILE)) and os.path.getmtime(path) < newest:
+                    shutil.rmtree(path)
+
+    def _plain_checkpoints(self, save_dir) -> list:
+        """The folders of save_dir that hold a plain DeepSpeed checkpoint: its model states, none of our files."""
+        found = []
+        for name in os.listdir(save_dir):
+            path = os.path.join(save_dir, name)
+            states = [os.path.join(path, model_states_file(stage)) for stage in (0, 3)]
+            if name.endswith((STAGING, REPLACED)) or os.path.exists(os.path.join(path, DONE_FILE)):
+                continue
+            if any(map(os.path.isfile, states)):
+                if not os.path.exists(os.path.join(path, RNG_FILE.format(rank=0))):  # not one of ours, incomplete
+                    found.append(name)
+        return found
+
+    def _completed_at(self, folder) -> float:
+        """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
+        names = [DONE_FILE, model_states_file(0), model_states_file(3)]
+        return next(os.path.getmtime(p) for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p))
+
+    def _delete_checkpoint(self, save_dir, name) -> None:
+        record = os.path.join(save_dir, name, DONE_FILE)
+        if os.path.isfile(record):
+            os.remove(record)  # first: a half-deleted folder is not complete
+        shutil.rmtree(os.path.join(save_dir, name))
+
+    def _saved_metric(self, folder):
+        """The metric_value a checkpoint was saved with, or None: from its record, or OpenRLHF's metric.json."""
+        try:
+            metric = None
+            if os.path.isfile(os.path.join(folder, DONE_FILE)):
+                with open(os.path.join(folder, DONE_FILE)) as f:
+                    metric = json.load(f).get("metric")
+            if metric is None and os.path.isfile(os.path.join(folder, "metric.json")):
+                with open(os.path.join(folder, "metric.json")) as f:
+                    metric = {"value": json.load(f).get("metric_value")}
+            value = float(metric["value"]) if metric and metric.get("value") is not None else None
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None  # unreadable counts as no metric: such a checkpoint goes first
+        return value if value is not None and math.isfinite(value) else None
 
     def load_ckpt(
         self,
@@ -802,6 +893,14 @@ class DeepspeedStrategy:
         engine = self._engine(model)
         folder, done = self._choose_checkpoint(load_dir, tag)
         if folder is None:
+            # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
+            names = [DONE_FILE, model_states_file(0), model_states_file(3)]
+            if any(os.path.isfile(os.path.join(load_dir, name)) for name in names):
+                parent, tag = os.path.split(os.path.normpath(load_dir))
+                why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
+                self._raise_on_every_rank(
+                    f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)", ValueError
+                )
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
         ckpt_dir = os.path.join(load_dir, folder)
@@ -814,6 +913,8 @@ class DeepspeedStrategy:
         saved_shape = {key: done[key] for key in self._run_shape()}
         trains = training_optimizer(engine) is not None
         native = saved_shape == self._run_shape() and mismatch is None and trains and not load_module_only
+        # DeepSpeed's load pairs the optimizer's groups by position: groups listed in another order go to the reader.
+        native = native and done["groups"] in (None, getattr(engine, "param_group_names", None))
         if done.get("unverified"):  # a plain DeepSpeed checkpoint: only DeepSpeed's load reads it
             fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
             why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint) and loads only as saved"
@@ -832,15 +933,18 @@ class DeepspeedStrategy:
                 )
             else:
                 reader = ReshapingReader(engine, ckpt_dir, done)
-                client_state = reader.load(loadable, load_optimizer_states and trains and not load_module_only)
+                optimizer_states = load_optimizer_states and trains and not load_module_only
+                client_state = reader.load(loadable, optimizer_states)
                 load_path = os.path.join(ckpt_dir, model_states_file(done["zero_stage"]))
-                self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only)
+                order = reader.match_groups() if trains else None
+                self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only, order)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
         self._raise_on_every_rank(error, RuntimeError)
         if reader is not None:
             reader.finish()  # collective
+            self._raise_on_every_rank(reader.verify(loadable, optimizer_states), RuntimeError)
             if mismatch:
                 kept, unused = sorted(set(here) - loadable), sorted(set(saved) - loadable)
                 self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
@@ -850,13 +954,19 @@ class DeepspeedStrategy:
             self.set_seed(self.seed + 1000 * engine.global_steps + self.get_rank())
         return load_path, client_state
 
-    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only):
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only, order):
         """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
-        (not with load_module_only). Leaves in states what that load returns as client_state: what save_ckpt's
-        caller passed, and the entries of DeepSpeed's own that its load leaves there too (ds_config, ...)."""
+        (not with load_module_only). The scheduler's lists of one entry per optimizer group (LambdaLR's base_lrs,
+        ...) are put in this run's group order (order: each group's saved index, or None to keep this run's).
+        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the entries of
+        DeepSpeed's own that its load leaves there too (ds_config, ...)."""
         if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None:
-                engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+                scheduler, now = dict(states["lr_scheduler"]), engine.lr_scheduler.state_dict()
+                for key, saved in scheduler.items():
+                    if order and isinstance(saved, list) and len(saved) == len(engine.param_group_names):
+                        scheduler[key] = [now[key][i] if j is None else saved[j] for i, j in enumerate(order)]
+                engine.lr_scheduler.load_state_dict(scheduler)
             engine.global_steps = states["global_steps"]
             engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
             engine.skipped_steps = states["skipped_steps"]
@@ -974,7 +1084,9 @@ class DeepspeedStrategy:
                                 name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
                                 start = info.header_offset + 30 + name_length + extra_length
                                 crc = zlib.crc32(view[start : start + info.compress_size])
-                                if info.compress_type != zipfile.ZIP_STORED or crc != info.CRC:
+                                if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
+                                    return f"{name} is damaged (record {info.filename!r} says it is compressed)"
+                                if crc != info.CRC:
                                     return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
             except (OSError, ValueError, NotImplementedError, struct.error, zipfile.BadZipFile) as error:
                 return f"{name} is damaged ({error})"
@@ -1345,12 +1457,12 @@ class ReshapingReader:
         """Write the tensors named in loadable (the rest keep their values), and with optimizer_states (which needs
         an optimizer) the optimizer's state; returns the saved model states. Every check that can refuse comes
         first, so a refusal leaves the engine as it was."""
-        saved = self.read_saved()
+        saved = self.saved = self.read_saved()
         fragments = list(self.owned_fragments()) if self.optimizer is not None else []
         base = getattr(self.optimizer, "optimizer", self.optimizer)  # the wrappers hold torch's or DeepSpeed's Adam
         if optimizer_states:
             keys = self.state_keys(base, saved)
-            matches = self.match_groups(saved.groups)
+            matches = [saved.groups[index] if index is not None else {} for index in self.match_groups()]
         # Checked: from here on only writes.
         for (name, start, offset, length), master in fragments:
             if name not in loadable:
@@ -1388,6 +1500,36 @@ class ReshapingReader:
         """After every rank loaded: each rank's masters into every rank's 16-bit weights (collective)."""
         if self.kind in FLAT_RANGES:
             self.optimizer.update_lp_params()
+
+    def verify(self, loadable: set, optimizer_states: bool):
+        """What DeepSpeed's public getters read back otherwise than the checkpoint holds, or None (collective). The
+        reader writes into DeepSpeed's private layouts, which a newer DeepSpeed may change: each group's first and
+        last trained parameter, its fp32 master and (with optimizer_states) Adam's moments, are read back through
+        safe_get_full_fp32_param and safe_get_full_optimizer_state (at ZeRO 0 torch's optimizer has no getter)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if self.optimizer is None:  # an eval engine: its weights alone, no masters
+            return None
+        # At ZeRO 1-2 DeepSpeed links its getters to Adam's state on the first step; this links the state just written.
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if optimizer_states and link is not None:
+            link()
+        params, trained = dict(self.engine.module.named_parameters()), self.trained_names()
+        ends = [name for names in self.engine.param_group_names for name in (names[0], names[-1])]
+        for name in [n for n in dict.fromkeys(ends) if n in trained and n in loadable]:
+            param = params[name]
+            read_back = {"value": safe_get_full_fp32_param(param)}
+            for key in MOMENTS if optimizer_states else ():
+                read_back[key] = safe_get_full_optimizer_state(param, key)
+            for key, got in read_back.items():
+                if got is None or (name, key) not in self.saved.pieces:
+                    continue
+                want = read_elements(self.saved.pieces[name, key], 0, got.numel())
+                if not torch.equal(got.detach().float().flatten().cpu(), want.float()):
+                    why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
+                    fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
+                    return f"checkpoint {self.ckpt_dir} loaded in another shape, but {why}: {fix}; do not train on"
+        return None
 
     def groups_and_masters(self):
         """(each group's 16-bit parameters, each group's fp32 masters) of this engine's optimizer (the table)."""
@@ -1436,8 +1578,8 @@ class ReshapingReader:
             raise ValueError(f"checkpoint {self.ckpt_dir} holds other optimizer state: {differ}")
         return expected
 
-    def match_groups(self, saved_groups: list) -> list:
-        """For each of this run's optimizer groups, the saved group (of saved_groups) holding its parameters ({} if
+    def match_groups(self) -> list:
+        """For each of this run's optimizer groups, the index of the saved group holding its parameters (None if
         none does): groups are matched by their parameters' names, never by position."""
         here, saved = self.engine.param_group_names, self.done["groups"]
         matches = []
@@ -1446,7 +1588,7 @@ class ReshapingReader:
             if len(owners) > 1:
                 why = f"this run groups the parameters otherwise: saved {saved}, here {here}"
                 raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match: {why}")
-            matches.append(saved_groups[owners.pop()] if owners else {})
+            matches.append(owners.pop() if owners else None)
         return matches
 
     def read_saved(self) -> SavedCheckpoint:

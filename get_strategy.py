@@ -661,8 +661,8 @@ class DeepspeedStrategy:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         if not (_is_number(max_mem) and max_mem > 0):  # NaN too
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
-        if metric_value is not None and not (_is_number(metric_value) and math.isfinite(metric_value)):
-            raise ValueError(f"save_ckpt metric_value {metric_value!r} must be a finite number, or None for no metric")
+        metric = self._metric(metric_value, metric_key)  # on every rank: one rank's NaN must not leave others waiting
+        self._raise_on_every_rank(metric if isinstance(metric, str) else None, ValueError)
         engine = self._engine(model)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)
@@ -677,7 +677,6 @@ class DeepspeedStrategy:
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
         problem = self._first_of_ranks(self._write_own_files(engine, save_dir, tag, client_state or {}))
-        metric = None if metric_value is None else {"key": metric_key, "value": float(metric_value)}
         if problem is None and self.is_rank_0():  # one writer for every shared file
             try:
                 self._commit_checkpoint(engine, save_dir, tag, save_latest, metric)
@@ -693,6 +692,19 @@ class DeepspeedStrategy:
                 self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
             except OSError as error:
                 self.print(f"warning: {tag} is saved in {save_dir}, but rotating older checkpoints failed: {error}")
+
+    def _metric(self, value, key):
+        """The record's {"key", "value"} for a metric_value (a Python, NumPy or 0-d torch number), None for none,
+        or why it is refused (a string)."""
+        if value is None:
+            return None
+        try:
+            number = None if isinstance(value, (bool, str, bytes)) else float(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            number = None
+        if number is None or not math.isfinite(number):
+            return f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
+        return {"key": key, "value": number}
 
     def _write_own_files(self, engine, save_dir, tag, client_state):
         """Write this rank's files of the checkpoint into <tag>.saving and make them durable; returns None, or what
@@ -895,12 +907,11 @@ class DeepspeedStrategy:
         if folder is None:
             # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
             names = [DONE_FILE, model_states_file(0), model_states_file(3)]
-            if any(os.path.isfile(os.path.join(load_dir, name)) for name in names):
-                parent, tag = os.path.split(os.path.normpath(load_dir))
-                why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
-                self._raise_on_every_rank(
-                    f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)", ValueError
-                )
+            parent, tag = os.path.split(os.path.normpath(load_dir))
+            why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
+            problem = f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)"
+            seen = any(os.path.isfile(os.path.join(load_dir, name)) for name in names)
+            self._raise_on_every_rank(problem if seen else None, ValueError)  # on every rank, seen or not
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
         ckpt_dir = os.path.join(load_dir, folder)
@@ -936,7 +947,8 @@ class DeepspeedStrategy:
                 optimizer_states = load_optimizer_states and trains and not load_module_only
                 client_state = reader.load(loadable, optimizer_states)
                 load_path = os.path.join(ckpt_dir, model_states_file(done["zero_stage"]))
-                order = reader.match_groups() if trains else None
+                schedules = trains and load_lr_scheduler_states and not load_module_only
+                order = reader.match_groups() if schedules else None
                 self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only, order)
             rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
         except Exception as caught:  # name it, and let no rank go on alone
@@ -963,9 +975,11 @@ class DeepspeedStrategy:
         if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None:
                 scheduler, now = dict(states["lr_scheduler"]), engine.lr_scheduler.state_dict()
-                for key, saved in scheduler.items():
-                    if order and isinstance(saved, list) and len(saved) == len(engine.param_group_names):
-                        scheduler[key] = [now[key][i] if j is None else saved[j] for i, j in enumerate(order)]
+                for key, saved in scheduler.items():  # not _schedulers: SequentialLR's list is one per scheduler
+                    per_group = isinstance(saved, list) and len(saved) == len(engine.param_group_names)
+                    if order and per_group and key != "_schedulers":
+                        mine = now.get(key, saved)
+                        scheduler[key] = [mine[i] if j is None else saved[j] for i, j in enumerate(order)]
                 engine.lr_scheduler.load_state_dict(scheduler)
             engine.global_steps = states["global_steps"]
             engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())

@@ -1125,12 +1125,17 @@ def core_run(tmp_path_factory, crash_run, one_rank_run, reshape_saved_early):
     return results, out
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quick")
-    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "quick", str(out)), 600)
+def two_rank_launch(tmp_path_factory, worker):
+    """(each rank's results, the folder) of one torchrun launch of this file's worker on two ranks."""
+    out = tmp_path_factory.mktemp(worker)
+    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", worker, str(out)), 600)
     assert returncode == 0, output[-5000:]
     return [read_results(out, rank) for rank in range(WORLD)], out
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    return two_rank_launch(tmp_path_factory, "quick")
 
 
 def case(core_run, name):
@@ -1504,11 +1509,14 @@ def test_a_resume_pairs_optimizer_groups_and_their_schedules_by_name_when_this_r
         assert got["max_difference"] < 1e-6, got["max_difference"]
 
 
-def test_a_non_finite_metric_value_is_refused_naming_it():
-    strategy = DeepspeedStrategy(zero_stage=2)
-    for value in (float("nan"), float("inf"), "0.5", True):
+def test_a_non_finite_metric_value_is_refused_naming_it(clean_launch_env):
+    strategy = DeepspeedStrategy(zero_stage=2, train_batch_size=1)
+    strategy.setup_distributed()  # a one-process group: the refusal is shared with every rank
+    for value in (float("nan"), float("inf"), "0.5", True, 10**400, torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError, match="save_ckpt metric_value .* must be a finite number"):
             strategy.save_ckpt(None, "unused", metric_value=value)
+    assert strategy._metric(numpy.float32(0.5), "reward") == {"key": "reward", "value": 0.5}
+    assert strategy._metric(torch.tensor(2.0), None) == {"key": None, "value": 2.0}
 
 
 @pytest.mark.full
@@ -1734,10 +1742,7 @@ def test_train_batch_size_mismatch_fails_fast_on_both_ranks_before_any_process_g
 
 @pytest.fixture(scope="module")
 def flags_and_data_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("flags_and_data")
-    returncode, output = launch(torchrun("test_get_strategy.py", "--worker", "flags_and_data", str(out)), 600)
-    assert returncode == 0, output[-5000:]
-    return [read_results(out, rank) for rank in range(WORLD)], out
+    return two_rank_launch(tmp_path_factory, "flags_and_data")
 
 
 @pytest.mark.full

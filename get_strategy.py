@@ -827,7 +827,7 @@ class DeepspeedStrategy:
                 break
             self._delete_checkpoint(save_dir, name)
             count, total = count - 1, total - sizes[name]
-        newest = os.path.getmtime(os.path.join(save_dir, keep, DONE_FILE))
+        newest = self._completed_at(os.path.join(save_dir, keep))
         for name in os.listdir(save_dir):  # incomplete, so no checkpoint, and older than this one: a crashed save's
             path = os.path.join(save_dir, name)
             if name.endswith((STAGING, REPLACED)) and not os.path.islink(path) and os.path.isdir(path):

@@ -49,7 +49,6 @@ import pickle
 import random
 import resource
 import shutil
-import signal
 import socket
 import struct
 import tempfile
@@ -227,7 +226,6 @@ class DeepspeedStrategy:
         self.accumulated_gradient = None  # micro-steps per optimizer step, known after setup_distributed()
         self.is_rlhf = False  # set by prepare(); OpenRLHF's trainers read it
         self._ema_calls = 0  # moving_average() updates on every accumulated_gradient-th call
-        self._stop_signal = None  # preemption_signal(): None until its first call, then the signal received or 0
 
     # ---------------------------------------------------------------------------------------------------------
     # Seeding and distributed set-up
@@ -562,20 +560,6 @@ class DeepspeedStrategy:
     def _require_process_group(self, what: str) -> None:
         if self.world_size is None or not dist.is_initialized():
             raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
-
-    def preemption_signal(self) -> int:
-        """The signal any rank was sent since the first call, which starts listening: SIGTERM (sent before a job is
-        killed) or SIGUSR1 (SLURM's advance notice); 0 if none. Call it on every rank between optimizer steps (one
-        small all-reduce); on a signal, save a checkpoint and exit with 128 + it, as train_example.py does."""
-        if self._stop_signal is None:
-            self._stop_signal = 0
-
-            def remember(signum, frame):  # a handler only notes the signal; the training loop decides what to do
-                self._stop_signal = signum
-
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(signum, remember)
-        return self.all_reduce(self._stop_signal, "max")
 
     def setup_dataloader(
         self,

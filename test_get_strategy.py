@@ -855,15 +855,18 @@ def test_all_reduce_refuses_an_op_it_does_not_implement_instead_of_summing(clean
 def test_sigusr1_stops_a_run_like_sigterm(clean_launch_env):
     import signal
 
+    from train_example import Preemption
+
     strategy = get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))
     strategy.setup_distributed()
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # where it lands if the strategy does not listen
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # where it lands if the example does not listen
     try:
-        assert strategy.preemption_signal() == 0
+        preemption = Preemption(strategy)
+        assert preemption.received() == 0
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert strategy.preemption_signal() == signal.SIGUSR1
-        assert strategy.preemption_signal() == signal.SIGUSR1  # it stays set
+        assert preemption.received() == signal.SIGUSR1
+        assert preemption.received() == signal.SIGUSR1  # it stays set
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

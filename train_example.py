@@ -31,6 +31,7 @@ import logging
 import io
 import math
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -391,6 +392,24 @@ def warmup_cosine(args):
     return multiplier
 
 
+class Preemption:
+    """The signal any rank was sent since this was made: SIGTERM (sent before a job is killed) or SIGUSR1 (SLURM's
+    advance notice). Ask received() on every rank between optimizer steps (one small all-reduce, so every rank
+    agrees); on a signal the loop saves a checkpoint and exits with 128 + it."""
+
+    def __init__(self, strategy):
+        self.strategy, self.signum = strategy, 0
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self.remember)
+
+    def remember(self, signum, frame) -> None:  # a handler only notes the signal; the training loop decides
+        self.signum = signum
+
+    def received(self) -> int:
+        """The largest signal number any rank received, or 0."""
+        return self.strategy.all_reduce(self.signum, "max")
+
+
 def micro_batches(loader, strategy, start_step, steps_per_epoch):
     """Micro-batches from optimizer step start_step on, epoch after epoch, each epoch in a new seeded order."""
     step = start_step
@@ -516,6 +535,7 @@ def main(args):
         log(f"step {step:5d} | held-out loss {loss:.6f}")
         return loss
 
+    preemption = Preemption(strategy)  # listens for SIGTERM and SIGUSR1 from here on
     last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
     if start_step == 0:
         held_out_loss(0)
@@ -527,7 +547,7 @@ def main(args):
     started = time.perf_counter()
     for step in range(start_step + 1, last_step + 1):
         # The loss stays on the device: reading a number on the host (.item(), a print) waits for the device to
-        # finish its queued work. Outside logging a step reads one number, preemption_signal's.
+        # finish its queued work. Outside logging a step reads one number, preemption.received()'s.
         step_loss = torch.zeros((), device=device)
         for _ in range(strategy.accumulated_gradient):
             x, y = next(batches)
@@ -547,7 +567,7 @@ def main(args):
         saves = (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step
         if saves:
             save_checkpoint(step)
-        stop = strategy.preemption_signal()  # every rank agrees, once any rank was sent SIGTERM or SIGUSR1
+        stop = preemption.received()  # every rank agrees, once any rank was sent SIGTERM or SIGUSR1
         if stop:
             if not saves:
                 save_checkpoint(step)

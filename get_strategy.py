@@ -2,11 +2,9 @@
 training step, collectives, data loading and checkpoints that resume exactly, also in another run shape.
 
 It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
-into your own trainer. Its methods follow OpenRLHF 0.8.5's DeepspeedStrategy: OpenRLHF's trainers run on it with
-their import lines changed (README, "OpenRLHF"). It also takes what later releases with flat flags (up to 0.10.1)
-added: --param_dtype, get_grad_norm(), setup_dataloader's num_workers, and a loader whose state resumes
-mid-epoch. This file's own release is __version__, below: a vendored copy keeps saying which one it is, and
-diffing it against a newer release's get_strategy.py shows what changed.
+into your own trainer. Its methods are OpenRLHF's DeepspeedStrategy's, up to 0.10.1 (the last release with flat
+flags): OpenRLHF's trainers run on it with their import lines changed (README, "OpenRLHF"). This file's own release
+is __version__, below: a vendored copy keeps saying which one it is.
 
 Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
 the deepspeed launcher):
@@ -29,10 +27,9 @@ Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size
 accumulated_gradient. A micro-batch is what one rank puts through one forward and backward pass; the
 train_batch_size samples of all ranks and accumulation steps make one optimizer step.
 
-The parts, in order: the flags' defaults and get_strategy(); the strategy's set-up, ds_config, prepare, backward
-and step, collectives and data (what a learner needs); checkpoints, model weights and OpenRLHF's contracts (what
-a trainer needs to run for days); the sampler and loader; last, ReshapingReader, which resumes a checkpoint in
-another run shape from DeepSpeed's private save formats (what a maintainer needs).
+The file has two parts. The first trains: the flags' defaults, get_strategy(), and the strategy's set-up,
+ds_config, prepare, backward and step, collectives and data loading. The second, after the line that says a learner
+can stop reading, keeps a run alive for days: checkpoints that resume exactly, in any run shape, and model weights.
 
 The ZeRO stages say what each rank keeps of the training state. Stage 0: everything (plain data parallelism).
 Stage 1: the whole model and gradients, but only its 1/world_size share of the optimizer state (Adam's fp32
@@ -80,11 +77,6 @@ OVERLAP_COMM = False  # reduce gradients while the backward pass still runs: fas
 GRAD_ACCUM_DTYPE = None  # dtype gradients accumulate in ("fp32", "bf16", "fp16"); None: the weights' dtype
 LOCAL_RANK = -1  # -1: take the local rank from the launcher's LOCAL_RANK environment variable
 
-# Files a checkpoint folder holds besides DeepSpeed's own.
-RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators, which DeepSpeed does not save
-DONE_FILE = "checkpoint_complete.json"  # written once every rank has saved: its absence means incomplete
-STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
-REPLACED = ".replaced"  # an older <tag> while the new one takes its name
 
 # Where launchers put the world size and this process's rank on its node: torchrun and the deepspeed launcher,
 # then MPI launchers (Open MPI, MVAPICH, MPICH and Intel MPI), whose variables exist before DeepSpeed's discovery.
@@ -135,10 +127,6 @@ def get_strategy(args) -> "DeepspeedStrategy":
     return DeepspeedStrategy(zero_stage=args.zero_stage, args=args, **flags)
 
 
-# -------------------------------------------------------------------------------------------------------------
-# Small helpers of the constructor's checks and the set-up
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -159,8 +147,7 @@ def _free_port() -> int:
 
 
 class DeepspeedStrategy:
-    """Everything a DeepSpeed trainer needs around its model: set-up, configuration, the training step,
-    collectives, data loading and checkpoints. Build it with get_strategy(args)."""
+    """What a DeepSpeed trainer needs around its model, from set-up to checkpoints. Build it with get_strategy(args)."""
 
     def __init__(
         self,
@@ -237,10 +224,8 @@ class DeepspeedStrategy:
         torch.manual_seed(seed)  # the CPU generator and those of every visible accelerator
 
     def setup_distributed(self, timeout: timedelta = timedelta(minutes=60)) -> None:
-        """Seed, join the process group, derive the accumulation steps and pick this rank's device.
-
-        Works under the deepspeed launcher, torchrun, MPI launchers and plain python (one process). Calling it
-        again in the same process reseeds and reuses the existing process group."""
+        """Seed, join the process group, derive the accumulation steps and pick this rank's device, under the deepspeed
+        launcher, torchrun, MPI launchers or plain python (one process). Called again, it reseeds, in the same group."""
         self.set_seed(self.seed)
         if self.full_determinism:
             self._use_deterministic_kernels()
@@ -277,9 +262,8 @@ class DeepspeedStrategy:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
     def _join_process_group(self, timeout: timedelta) -> None:
-        """Join the process group: nccl on CUDA; gloo on CPU, where DeepSpeed also builds a shared-memory
-        all-reduce for the ranks of one host. Under mpirun this is where DeepSpeed finds the ranks and sets
-        LOCAL_RANK. A taken port or a missing rank becomes an error that says how to fix it."""
+        """Join the process group: nccl on CUDA; gloo on CPU (with DeepSpeed's shared-memory all-reduce within a host).
+        Under mpirun DeepSpeed finds the ranks here. A taken port or a missing rank becomes an error saying the fix."""
         env, backend = os.environ, get_accelerator().communication_backend_name()
         where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
         try:
@@ -314,9 +298,8 @@ class DeepspeedStrategy:
 
     def teardown(self) -> None:
         """Wait for every rank, destroy the process group and collect garbage: call it once when the run is over.
-        Without it a finished multi-rank run can abort at exit ("terminate called without an active exception"):
-        a gloo thread still releasing DeepSpeed's last collective needs the interpreter lock while Python shuts
-        down, and Python ends such threads. The collection lets that release happen while Python still runs."""
+        Without it a multi-rank run can abort at exit ("terminate called without an active exception"): a gloo
+        thread releasing DeepSpeed's last collective needs the interpreter lock, which Python's shutdown ends."""
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -343,8 +326,8 @@ class DeepspeedStrategy:
 
     def get_ds_eval_config(self, offload: bool = False) -> dict:
         """The ds_config of a frozen model (a reference or reward model): no optimizer, no gradients. Only ZeRO 3
-        saves memory without an optimizer, so the stage is 3 when training uses 3 and 0 otherwise. offload keeps
-        the weights in CPU memory between uses; below ZeRO 3, where every rank holds the whole model, it is ignored."""
+        saves memory without an optimizer, so the stage is 3 when training uses 3 and 0 otherwise. offload keeps the
+        weights in CPU memory between uses (at ZeRO 3; below it every rank holds the whole model, and it is ignored)."""
         zero = {"stage": 3 if self.stage == 3 else 0}  # shard the weights only when training does
         if offload and self.stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}  # ZeRO 3: fetch weights from CPU per layer
@@ -352,8 +335,8 @@ class DeepspeedStrategy:
 
     def _ds_config(self, zero: dict) -> dict:
         """What the train and eval configs share, around their zero_optimization section."""
-        # Read at ZeRO 3 only: lets DeepSpeed's own engine.save_16bit_model() gather the full weights. save_model()
-        # below gathers them itself, but a trainer may call DeepSpeed's method.
+        # Read at ZeRO 3 only: lets DeepSpeed's own engine.save_16bit_model() gather the full weights, for trainers
+        # that call it (save_model gathers them itself).
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         return {
             "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
@@ -372,16 +355,19 @@ class DeepspeedStrategy:
     # module that keeps the model it trains in its `model` attribute. prepare() then puts the engine there
     # (actor.model = engine) and returns the Actor, and every method below reaches the engine through it.
 
-    def _engine(self, model):
-        """What an Actor wraps (its engine, or before prepare() its model); anything else as it is. An Actor has a
-        `.model` module, no parameters of its own and no save_pretrained. A Hugging Face model's `.model` is its
-        backbone instead, and the model itself has save_pretrained."""
-        # An engine forwards unknown attributes, `.model` too, to its module: ask only what is not an engine.
+    def _is_actor(self, model) -> bool:
+        """Whether model is an OpenRLHF Actor: a module whose `.model` holds all its parameters. Not a Hugging Face
+        model (its `.model` is the backbone; it has save_pretrained) nor an engine (it forwards `.model` to its
+        module). It errs for a module with no save_pretrained whose `.model` holds all its parameters: only that
+        `.model` is then wrapped, which trains the same parameters."""
         inner = None if isinstance(model, deepspeed.DeepSpeedEngine) else getattr(model, "model", None)
         if not isinstance(inner, torch.nn.Module) or hasattr(model, "save_pretrained"):
-            return model
-        own = {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
-        return model if own else inner
+            return False
+        return not {id(p) for p in model.parameters()} - {id(p) for p in inner.parameters()}
+
+    def _engine(self, model):
+        """What an Actor wraps (its engine, or before prepare() its model); anything else as it is."""
+        return model.model if self._is_actor(model) else model
 
     def _unwrap_model(self, model) -> torch.nn.Module:
         """The plain module inside an engine, an Actor, or both."""
@@ -390,7 +376,7 @@ class DeepspeedStrategy:
 
     def _in_actor(self, model, engine):
         """What prepare() returns: an Actor, now holding the engine; otherwise the engine."""
-        if self._engine(model) is model:  # not an Actor
+        if not self._is_actor(model):
             return engine
         model.model = engine
         return model
@@ -457,18 +443,17 @@ class DeepspeedStrategy:
         return self._in_actor(model, engine)
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
-        """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients
-        are the mean over the whole batch, and averages the gradients over ranks. At ZeRO 0 by one all-reduce on
-        the last micro-step of an accumulation; at ZeRO 1 on that micro-step too, each gradient reduced only to the
-        rank that owns its shard of the optimizer; at ZeRO 2 and 3, which keep only their shard of the gradients,
-        it happens on every micro-step (with overlap_comm, bucket by bucket while the backward pass still runs)."""
+        """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients are
+        the mean over the whole batch, and averages the gradients over ranks: at ZeRO 0 by one all-reduce on the last
+        micro-step of an accumulation; at ZeRO 1 then too, each gradient reduced only to the rank owning its shard of
+        the optimizer; at ZeRO 2 and 3, which keep only their shard of the gradients, on every micro-step (with
+        overlap_comm, bucket by bucket while the backward pass still runs)."""
         self._engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
         """One micro-step of the engine: on the last micro-step of an accumulation it clips the gradients to
         max_norm, steps the optimizer and the scheduler, and zeroes the gradients; otherwise it only counts it.
-        The engine holds its optimizer and scheduler: the other arguments are OpenRLHF's signature (as in
-        backward)."""
+        The engine holds its optimizer and scheduler: the other arguments are OpenRLHF's signature (so in backward)."""
         engine = self._engine(model)
         if self.stage == 0 and not self.bf16 and engine.is_gradient_accumulation_boundary():
             # Here alone DeepSpeed's step clips without keeping the norm (its clip_grad_norm_ returns it, unread),
@@ -478,10 +463,9 @@ class DeepspeedStrategy:
         engine.step()
 
     def get_grad_norm(self, model) -> float:
-        """The global L2 norm of the gradients of the last optimizer step, before clipping (OpenRLHF 0.9.6); 0.0
-        before the first step, as OpenRLHF's own strategy returns (its trainers log it after every micro-step). ZeRO
-        1-3 and bf16 compute it to clip and keep it (engine.get_global_grad_norm()); at fp32 ZeRO 0, optimizer_step
-        computes it."""
+        """The global L2 norm of the gradients of the last optimizer step, before clipping; 0.0 before the first step,
+        as OpenRLHF's own strategy returns (its trainers log it after every micro-step). ZeRO 1-3 and bf16 compute it
+        to clip and keep it (engine.get_global_grad_norm()); at fp32 ZeRO 0, optimizer_step computes it."""
         engine = self._engine(model)
         fp32_stage0 = self.stage == 0 and not self.bf16
         norm = getattr(engine, "stage0_grad_norm", None) if fp32_stage0 else engine.get_global_grad_norm()
@@ -561,6 +545,72 @@ class DeepspeedStrategy:
         if self.world_size is None or not dist.is_initialized():
             raise RuntimeError(f"call strategy.setup_distributed() before strategy.{what}()")
 
+    # ---------------------------------------------------------------------------------------------------------
+    # Checkpoints and model weights: each call hands its work to a Checkpoints, in the file's second part.
+
+    def save_ckpt(
+        self,
+        model,
+        save_dir,
+        tag=None,
+        max_num=3,
+        max_mem=1000,
+        client_state=None,
+        save_latest=True,
+        metric_value=None,
+        metric_key=None,
+    ) -> None:
+        """Save a checkpoint that resumes exactly, in save_dir/tag (default global_step<N>), keeping at most max_num
+        checkpoints and max_mem GiB. All ranks must call it. Checkpoints.save says what is kept and what it costs."""
+        options = (max_num, max_mem, client_state, save_latest, metric_value, metric_key)
+        Checkpoints(self, model).save(save_dir, tag, *options)
+
+    def load_ckpt(
+        self,
+        model,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
+        """Resume load_dir's newest checkpoint (or tag) in this run's shape, whatever the saving run's; returns
+        (load_path, client_state), or (None, {}) where load_dir holds none. All ranks call it (Checkpoints.load)."""
+        options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return Checkpoints(self, model).load(load_dir, tag, *options)
+
+    def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
+        """Write the full weights to output_dir, for use outside training (Checkpoints.save_model)."""
+        Checkpoints(self, model).save_model(tokenizer, output_dir, **kwargs)
+
+    def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
+        """Load a state dict file into model, tensors only (Checkpoints.load_model)."""
+        Checkpoints(self, model).load_model(path, map_location, strict, key_replace_fn)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # OpenRLHF's contracts: what its SFT, reward-model, DPO and PPO trainers use beyond the training path
+
+    ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
+
+    def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
+        """OpenRLHF PPO's --enable_ema, called after optimizer_step: on every accumulated_gradient-th call (once per
+        optimizer step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta)
+        * that counterpart, computed on device ("cuda", which OpenRLHF passes on any machine: this rank's
+        accelerator). All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
+        device = get_accelerator().current_device_name() if device == "cuda" else device
+        self._ema_calls += 1
+        if self._ema_calls % self.accumulated_gradient != 0:
+            return
+        pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
+        for param, ema in pairs:
+            # Below ZeRO 3 the gathers do nothing. At ZeRO 3 the EMA weight's gather (modifier_rank=0) writes rank 0's
+            # new value back into every rank's shard as it exits.
+            if param.requires_grad:
+                with deepspeed.zero.GatheredParameters([param]):
+                    with deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
+                        ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
+
     def setup_dataloader(
         self,
         dataset,
@@ -574,15 +624,13 @@ class DeepspeedStrategy:
         num_workers=0,
     ) -> "StatefulDataLoader":
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
-        by seed and epoch; consumed_samples (over all ranks) skips that many of the first pass, epoch 0 (a whole
-        epoch or more leaves it empty). Each later pass is the next epoch; loader.sampler.set_epoch(epoch,
-        consumed_samples) chooses the epoch and how far into it to start, as a resume past epoch 0 needs. The sampler
-        is this file's DistributedSampler (at its end): a subclass of torch's that can start an epoch part-way. The
-        loader is a StatefulDataLoader (beside it): loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs.
-        num_workers > 0 loads batches in that many processes, in the same order. A resume gives the same samples,
-        but a dataset that draws random numbers itself (augmentation, random truncation) draws others with workers:
-        torch seeds the workers once per pass and sends batch i to worker i % num_workers, and the loader's state
-        keeps neither. With num_workers=0 those draws come from the generators load_ckpt restores."""
+        by seed and epoch. consumed_samples (over all ranks) skips that many samples of the first pass, epoch 0 (a
+        whole epoch or more leaves it empty); each later pass is the next epoch. The sampler and the loader are the
+        classes just below: loader.sampler.set_epoch(epoch, consumed_samples) starts an epoch part-way, as a resume
+        past epoch 0 needs, and loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs. num_workers > 0
+        loads in that many processes, in the same order; but a dataset that draws random numbers itself
+        (augmentation, random truncation) draws others after a resume with workers, since torch seeds them once per
+        pass and sends batch i to worker i % num_workers: keep num_workers=0 where such a resume must be exact."""
         if sampler is None:
             # The process group's shard, even where this strategy has not joined it yet. Without a group (PPO's
             # driver builds its prompts loader before any) a world of one: all the dataset, shuffled by seed and epoch.
@@ -591,43 +639,108 @@ class DeepspeedStrategy:
         # Its own generator: starting an epoch would otherwise draw from the global torch generator and shift every
         # random number after it (dropout masks), so a resumed run would diverge.
         generator = torch.Generator().manual_seed(self.seed)
-        # The caller's options, passed through.
         options = dict(collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, num_workers=num_workers)
         return StatefulDataLoader(dataset, batch_size, sampler=sampler, generator=generator, **options)
 
-    # ---------------------------------------------------------------------------------------------------------
-    # Checkpoints: save_ckpt writes what a run needs to resume exactly, load_ckpt resumes it in any run shape.
-    #
-    # A checkpoint is the folder save_dir/<tag>: DeepSpeed's files, one RNG file per rank, and last the record
-    # checkpoint_complete.json: the run's shape, the model's tensors, the optimizer's groups by name, and every
-    # file's size. DeepSpeed's files: the model states with the module and the counters (mp_rank_00_model_states.pt,
-    # at ZeRO 3 one per rank, zero_pp_rank_<rank>_mp_rank_00_model_states.pt), which at ZeRO 0 hold the optimizer
-    # state too; at ZeRO 1-3 each rank's shard of the optimizer state (*zero_pp_rank_<rank>_*optim_states.pt).
-    # save_ckpt, in order:
-    #   1. every rank writes its files into save_dir/<tag>.saving and makes them durable (fsync);
-    #   2. rank 0 writes the record there, renames an older <tag> to <tag>.replaced, renames <tag>.saving to
-    #      <tag>, and only then points save_dir/latest at it;
-    #   3. rank 0 deletes <tag>.replaced, then rotates: the older best checkpoint if this one is a best, the
-    #      checkpoints over max_num and max_mem (each record first), and staging folders of saves that crashed.
-    # A folder without its record is no checkpoint, so a crash or a power cut at any moment leaves a complete one:
-    # the previous, or between the two renames of step 2 the old and the new one under <tag>.replaced and
-    # <tag>.saving, which load_ckpt(tag=None) counts among the complete ones. load_ckpt, in order: choose the
-    # checkpoint (latest's, else the newest complete one) and check its files on every rank; refuse another model;
-    # load it with DeepSpeed's own load if the run shape is unchanged, else with ReshapingReader (the file's last
-    # part); restore the generators.
 
-    def save_ckpt(
-        self,
-        model,
-        save_dir,
-        tag=None,
-        max_num=3,
-        max_mem=1000,
-        client_state=None,
-        save_latest=True,
-        metric_value=None,
-        metric_key=None,
-    ):
+class DistributedSampler(torch.utils.data.DistributedSampler):
+    """torch's DistributedSampler, under the name and signature OpenRLHF's trainers import, that can start an epoch
+    part-way: set_epoch(epoch, consumed_samples) skips its first consumed_samples samples (over all ranks)."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle, seed, drop_last, consumed_samples=0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.set_epoch(0, consumed_samples)
+
+    def set_epoch(self, epoch: int, consumed_samples: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = consumed_samples // self.num_replicas
+        self.epoch_was_set = True
+
+    def __iter__(self):
+        # A trainer that calls set_epoch before each pass gets that epoch; one that never does gets the next
+        # epoch on every pass after the first, so its order still changes.
+        if not self.epoch_was_set:
+            self.set_epoch(self.epoch + 1)
+        self.epoch_was_set = False
+        return iter(list(super().__iter__())[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+class StatefulDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader that resumes mid-epoch, under the name and the two methods of torchdata's (OpenRLHF's PPO
+    checkpoints its state): after load_state_dict(the state_dict() taken after k batches), a loader set up alike
+    yields what this one yields after those k, in order, through the following epochs too. The state is plain ints
+    (the next pass's epoch and its consumed samples, over all ranks), so it fits a checkpoint's client_state."""
+
+    yielded = None  # batches of the pass under way; None between passes
+
+    def __iter__(self):
+        # A generator, to count the batches handed out (not those that worker processes have already loaded ahead).
+        self.yielded = 0
+        for batch in super().__iter__():
+            self.yielded += 1
+            yield batch
+        self.yielded = None
+
+    def state_dict(self) -> dict:
+        sampler = self.sampler
+        if sampler.epoch_was_set:  # set_epoch (or load_state_dict) has chosen the next pass
+            return {"epoch": sampler.epoch, "consumed_samples": sampler.skip * sampler.num_replicas}
+        if self.yielded is None:  # a pass has ended: the next one is the next epoch, from its start
+            return {"epoch": sampler.epoch + 1, "consumed_samples": 0}
+        seen = sampler.skip + self.yielded * self.batch_size  # this rank's samples of the epoch so far
+        return {"epoch": sampler.epoch, "consumed_samples": seen * sampler.num_replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.set_epoch(state["epoch"], state["consumed_samples"])
+
+
+# ============================================ A learner can stop reading here: everything above trains. ========
+# The second part: checkpoints and model weights, what a run needs to survive being stopped, moved and restarted.
+#
+# A checkpoint is the folder save_dir/<tag>, and it holds four kinds of saved state, each named once below:
+#   - DeepSpeed's model states (mp_rank_00_model_states.pt; at ZeRO 3 one per rank): the module's weights, the
+#     scheduler, the counters and client_state, and at ZeRO 0 the optimizer's state too;
+#   - at ZeRO 1-3 each rank's shard of the optimizer's state (*zero_pp_rank_<rank>_*optim_states.pt);
+#   - each rank's random generators (RNG_FILE), which DeepSpeed does not save;
+#   - last, the record (DONE_FILE): the run's shape, the model's tensors, the optimizer's groups by name, the
+#     metric, and every file's size and content. A folder without its record is no checkpoint.
+# Saving, in order (Checkpoints.save):
+#   1. every rank writes its files into save_dir/<tag>.saving and makes them durable (fsync); a failed write is
+#      noted, not raised, and the ranks agree on whether any failed before anything is committed;
+#   2. rank 0 writes the record there, renames an older <tag> to <tag>.replaced, renames <tag>.saving to <tag>,
+#      and only then points save_dir/latest at it;
+#   3. rank 0 deletes <tag>.replaced, then rotates: the older best checkpoint if this one is a best, the
+#      checkpoints over max_num and max_mem (each record first), and staging folders of saves that crashed.
+# So a crash or a power cut at any moment leaves a complete checkpoint: the previous, or between the two renames
+# of step 2 the old and the new one under <tag>.replaced and <tag>.saving, which a load counts among the complete
+# ones. Loading, in order (Checkpoints.load): choose the checkpoint (latest's, else the newest complete one) and
+# check its files on every rank; refuse another model; load it with DeepSpeed's own load if the run shape is
+# unchanged, else with ReshapingReader (the file's last part); restore the generators.
+RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators
+DONE_FILE = "checkpoint_complete.json"  # the record, written once every rank has saved
+STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
+REPLACED = ".replaced"  # an older <tag> while the new one takes its name
+LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
+
+
+class Checkpoints:
+    """What a run writes to disk and reads back for one model (an engine, an Actor or a plain module): its
+    checkpoints (save, load) and its full weights (save_model, load_model). The strategy's save_ckpt, load_ckpt,
+    save_model and load_model each make one and hand it their arguments."""
+
+    def __init__(self, strategy: DeepspeedStrategy, model):
+        self.strategy, self.print = strategy, strategy.print
+        self.rank, self.world_size = strategy.get_rank(), strategy.world_size
+        self.engine = strategy._engine(model)  # the engine, or the module itself if it was never prepared
+        self.module = strategy._unwrap_model(model)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Saving
+
+    def save(self, save_dir, tag, max_num, max_mem, client_state, save_latest, metric_value, metric_key) -> None:
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
         ranks must call it, and save_dir must be on a filesystem every rank sees. The default tag is
@@ -647,12 +760,11 @@ class DeepspeedStrategy:
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
         metric = self._metric(metric_value, metric_key)  # on every rank: one rank's NaN must not leave others waiting
         self._raise_on_every_rank(metric if isinstance(metric, str) else None, ValueError)
-        engine = self._engine(model)
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         staging = os.path.join(save_dir, tag + STAGING)
         self._raise_on_every_rank(self._space_problem(save_dir), RuntimeError)
         problem = None
-        if self.is_rank_0():
+        if self.rank == 0:
             try:
                 shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
                 os.makedirs(staging)
@@ -660,10 +772,10 @@ class DeepspeedStrategy:
                 problem = f"save_ckpt could not make {staging} on rank 0: {error}"
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
-        problem = self._first_of_ranks(self._write_own_files(engine, save_dir, tag, client_state or {}))
-        if problem is None and self.is_rank_0():  # one writer for every shared file
+        problem = self._first_of_ranks(self._write_own_files(save_dir, tag, client_state or {}))
+        if problem is None and self.rank == 0:  # one writer for every shared file
             try:
-                self._commit_checkpoint(engine, save_dir, tag, save_latest, metric)
+                self._commit_checkpoint(save_dir, tag, save_latest, metric)
             except OSError as error:
                 problem = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
         problem = self._first_of_ranks(problem)
@@ -671,7 +783,7 @@ class DeepspeedStrategy:
             shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
             raise RuntimeError(f"{problem}; the checkpoint before it is unchanged")
-        if self.is_rank_0():  # the new checkpoint is committed: a failure from here on loses nothing
+        if self.rank == 0:  # the new checkpoint is committed: a failure from here on loses nothing
             try:
                 self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
             except OSError as error:
@@ -690,12 +802,12 @@ class DeepspeedStrategy:
             return f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
         return {"key": key, "value": number}
 
-    def _write_own_files(self, engine, save_dir, tag, client_state):
+    def _write_own_files(self, save_dir, tag, client_state):
         """Write this rank's files of the checkpoint into <tag>.saving and make them durable; returns None, or what
         failed. A failed write is noted rather than raised: this rank still meets the others in DeepSpeed's own
         barriers, and then all learn of it together instead of waiting for the process group's timeout."""
-        rank, staging, failed = self.get_rank(), os.path.join(save_dir, tag + STAGING), []
-        writer = engine.checkpoint_engine  # DeepSpeed writes every file with its save(state_dict, path)
+        rank, staging, failed = self.rank, os.path.join(save_dir, tag + STAGING), []
+        writer = self.engine.checkpoint_engine  # DeepSpeed writes every file with its save(state_dict, path)
         write = writer.save
 
         def attempt(path, function, *args):  # the first failure is noted; every write after it is skipped
@@ -713,16 +825,18 @@ class DeepspeedStrategy:
         # One file DeepSpeed writes without its writer: rank 0 copies its scripts zero_to_fp32.py and
         # zero_to_torch.py into save_dir at ZeRO 1-3. Raised, that failure would leave the others in DeepSpeed's
         # last barrier until the process group's timeout.
-        copy_scripts = engine._copy_recovery_script
-        engine._copy_recovery_script = lambda path: attempt(os.path.join(path, "zero_to_fp32.py"), copy_scripts, path)
+        copy_scripts = self.engine._copy_recovery_script
+        self.engine._copy_recovery_script = lambda path: attempt(
+            os.path.join(path, "zero_to_fp32.py"), copy_scripts, path
+        )
         try:
             writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
-            engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
+            self.engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
             attempt(staging, self._fsync, staging)  # the folder's list of names, too
         except OSError as error:  # the folder itself is gone (a node that lost its mount)
             failed.append((staging, str(error)))
         finally:
-            del writer.save, engine._copy_recovery_script  # the methods of DeepSpeed's classes again
+            del writer.save, self.engine._copy_recovery_script  # the methods of DeepSpeed's classes again
         if not failed:
             return None
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
@@ -750,13 +864,13 @@ class DeepspeedStrategy:
         fix = f"rotation cannot make room, since it deletes only after a save: free space, or keep fewer ({keep})"
         return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
 
-    def _commit_checkpoint(self, engine, save_dir, tag, save_latest, metric):
+    def _commit_checkpoint(self, save_dir, tag, save_latest, metric):
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
         # The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
         # ZeRO 0 checkpoint keys Adam's state by position alone), and every file's size.
         done = self._run_shape()
-        done["tensors"] = self._tensor_shapes(engine.module)
-        done["groups"] = getattr(engine, "param_group_names", None)
+        done["tensors"] = self._tensor_shapes(self.module)
+        done["groups"] = getattr(self.engine, "param_group_names", None)
         done["metric"] = metric  # {key, value} or None: rotation ranks by it, and it is durable with the rest
         done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
         # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
@@ -769,14 +883,15 @@ class DeepspeedStrategy:
         os.rename(staging, folder)
         self._fsync(save_dir)  # the rename, too, survives a power cut
         if save_latest:
-            self._write_atomically(os.path.join(save_dir, "latest"), tag)
+            self._write_atomically(os.path.join(save_dir, LATEST), tag)
         shutil.rmtree(folder + REPLACED, ignore_errors=True)
 
     def _run_shape(self) -> dict:
         """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all of it unchanged (the
         accumulation dtype too, since it decides which optimizer class DeepSpeed builds)."""
-        shape = dict(world_size=self.world_size, zero_stage=self.stage, bf16=self.bf16, adam_offload=self.adam_offload)
-        return dict(shape, grad_accum_dtype=self.grad_accum_dtype)
+        s = self.strategy
+        shape = dict(world_size=s.world_size, zero_stage=s.stage, bf16=s.bf16, adam_offload=s.adam_offload)
+        return dict(shape, grad_accum_dtype=s.grad_accum_dtype)
 
     def _tensor_shapes(self, module) -> dict:
         """{name: shape} of a module's parameters (their full shape at ZeRO 3) and of the buffers it saves."""
@@ -793,7 +908,8 @@ class DeepspeedStrategy:
         # This file's complete checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this
         # file), oldest first. A link (a run branched from another run's checkpoint) is kept as a foreign folder:
         # deleting through it would delete the other run's checkpoint.
-        ours = self._complete_checkpoints(save_dir) + self._plain_checkpoints(save_dir)
+        plain = [n for n in os.listdir(save_dir) if self._holds(os.path.join(save_dir, n)) == "plain"]
+        ours = self._complete_checkpoints(save_dir) + plain
         ours = [n for n in ours if not os.path.islink(os.path.join(save_dir, n))]
         ours.sort(key=lambda n: self._completed_at(os.path.join(save_dir, n)))
         best = [n for n in ours if n.startswith("best")]
@@ -818,18 +934,15 @@ class DeepspeedStrategy:
                 if not os.path.isfile(os.path.join(path, DONE_FILE)) and os.path.getmtime(path) < newest:
                     shutil.rmtree(path)
 
-    def _plain_checkpoints(self, save_dir) -> list:
-        """The folders of save_dir that hold a plain DeepSpeed checkpoint: its model states, none of our files."""
-        found = []
-        for name in os.listdir(save_dir):
-            path = os.path.join(save_dir, name)
-            states = [os.path.join(path, model_states_file(stage)) for stage in (0, 3)]
-            if name.endswith((STAGING, REPLACED)) or os.path.exists(os.path.join(path, DONE_FILE)):
-                continue
-            if any(map(os.path.isfile, states)):
-                if not os.path.exists(os.path.join(path, RNG_FILE.format(rank=0))):  # not one of ours, incomplete
-                    found.append(name)
-        return found
+    def _holds(self, folder):
+        """What a folder holds: "complete", a checkpoint of this file (with its record); "plain", a plain DeepSpeed
+        checkpoint (its model states and none of this file's files, as OpenRLHF's own strategy writes);
+        "incomplete", one of this file's without its record (a save that stopped); else None."""
+        if os.path.isfile(os.path.join(folder, DONE_FILE)):
+            return "complete"
+        if not any(os.path.isfile(os.path.join(folder, model_states_file(stage))) for stage in (0, 3)):
+            return None
+        return "incomplete" if os.path.exists(os.path.join(folder, RNG_FILE.format(rank=0))) else "plain"
 
     def _completed_at(self, folder) -> float:
         """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
@@ -843,29 +956,22 @@ class DeepspeedStrategy:
         shutil.rmtree(os.path.join(save_dir, name))
 
     def _saved_metric(self, folder):
-        """The metric_value a checkpoint was saved with, or None: from its record, or OpenRLHF's metric.json."""
+        """The metric_value a checkpoint was saved with, or None: from its record, or from OpenRLHF's metric.json
+        beside a plain DeepSpeed checkpoint. Unreadable counts as none, so such a checkpoint goes first."""
         try:
-            metric = None
             if os.path.isfile(os.path.join(folder, DONE_FILE)):
                 with open(os.path.join(folder, DONE_FILE)) as f:
-                    metric = json.load(f).get("metric")
-            if metric is None and os.path.isfile(os.path.join(folder, "metric.json")):
+                    value = (json.load(f).get("metric") or {}).get("value")
+            else:
                 with open(os.path.join(folder, "metric.json")) as f:
-                    metric = {"value": json.load(f).get("metric_value")}
-            value = float(metric["value"]) if metric and metric.get("value") is not None else None
+                    value = json.load(f).get("metric_value")
+            value = float(value)
         except (OSError, ValueError, TypeError, AttributeError):
-            return None  # unreadable counts as no metric: such a checkpoint goes first
-        return value if value is not None and math.isfinite(value) else None
+            return None
+        return value if math.isfinite(value) else None
 
-    def load_ckpt(
-        self,
-        model,
-        load_dir,
-        tag=None,
-        load_module_strict=True,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-        load_module_only=False,
+    def load(
+        self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
     ):
         """Load a checkpoint into a prepared engine and restore this rank's random generators; returns (load_path,
         client_state), or (None, {}) when load_dir holds no checkpoint at all (a run that starts afresh). All ranks
@@ -886,7 +992,7 @@ class DeepspeedStrategy:
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
-        engine = self._engine(model)
+        engine = self.engine
         folder, done = self._choose_checkpoint(load_dir, tag)
         if folder is None:
             # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
@@ -911,15 +1017,20 @@ class DeepspeedStrategy:
         # DeepSpeed's load pairs the optimizer's groups by position: groups listed in another order go to the reader.
         native = native and done["groups"] in (None, getattr(engine, "param_group_names", None))
         if done.get("unverified"):  # a plain DeepSpeed checkpoint: only DeepSpeed's load reads it
-            fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
             why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint) and loads only as saved"
-            self._raise_on_every_rank(None if native else f"{why}: {fix}", ValueError)
+            fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
+            problem = None if native else f"{why}: {fix}"
+            if native and self._grouped_otherwise(done["plain_groups"]):  # DeepSpeed's load pairs them by position
+                groups = f"saved {done['plain_groups']}, here {self.engine.param_group_names}"
+                problem = f"checkpoint {ckpt_dir}'s optimizer groups hold other parameters than this run's: {groups}"
+                problem += "; build the optimizer's groups as the saving run did (OpenRLHF: by parameter name)"
+            self._raise_on_every_rank(problem, ValueError)
             self.print(f"warning: {why}; loading it with DeepSpeed's own load, unverified (no sizes or CRCs)")
         elif not native and done["groups"] is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
             self._raise_on_every_rank(why, ValueError)
         loadable = {name for name, shape in here.items() if saved.get(name) == shape}
-        rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.get_rank()))
+        rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.rank))
         reader, error = None, None
         try:
             if native:  # DeepSpeed's own load, bit-exact
@@ -947,7 +1058,7 @@ class DeepspeedStrategy:
         if rng_states is not None:
             self._set_rng_states(rng_states)
         else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
-            self.set_seed(self.seed + 1000 * engine.global_steps + self.get_rank())
+            self.strategy.set_seed(self.strategy.seed + 1000 * engine.global_steps + self.rank)
         return load_path, client_state
 
     def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only, order):
@@ -1016,7 +1127,7 @@ class DeepspeedStrategy:
         if done is not None:
             # What older releases did not record: the shape is taken to be this run's, and the model to match.
             done = {**self._run_shape(), "files": {}, "contents": {}, "tensors": None, "groups": None, **done}
-            damage = self._damaged_files(path, done["files"], done["contents"], self.get_rank(), self.world_size)
+            damage = self._damaged_files(path, done["files"], done["contents"], self.rank, self.world_size)
             problem = (RuntimeError, f"checkpoint {path} does not load: {damage}") if damage else None
         return done, self._first_of_ranks(problem)
 
@@ -1052,7 +1163,21 @@ class DeepspeedStrategy:
         accumulate = (config.get("data_types") or {}).get("grad_accum_dtype")
         bf16 = bool((config.get("bf16") or {}).get("enabled"))
         shape = dict(world_size=states["dp_world_size"], zero_stage=zero.get("stage", 0), bf16=bf16)
-        return dict(shape, adam_offload=offload, grad_accum_dtype=accumulate, unverified=True)
+        groups = [list(shapes) for shapes in states.get("param_shapes") or []]  # at ZeRO 1-3: names, per group
+        return dict(shape, adam_offload=offload, grad_accum_dtype=accumulate, unverified=True, plain_groups=groups)
+
+    def _grouped_otherwise(self, saved):
+        """Whether a plain checkpoint's optimizer groups (saved: the names of each, which ZeRO 3 may have cut into
+        consecutive sub-groups; none at ZeRO 0) hold other parameters than this engine's."""
+        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        rest = list(saved)
+        for names in self.engine.param_group_names if saved else []:
+            taken = set()
+            while rest and len(taken) < len(trained.intersection(names)):
+                taken.update(rest.pop(0))
+            if taken != trained.intersection(names):
+                return True
+        return bool(rest)
 
     def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
@@ -1165,7 +1290,7 @@ class DeepspeedStrategy:
 
     def _read_latest(self, save_dir: str):
         try:
-            with open(os.path.join(save_dir, "latest")) as f:
+            with open(os.path.join(save_dir, LATEST)) as f:
                 return f.read().strip()
         except FileNotFoundError:
             return None
@@ -1173,14 +1298,14 @@ class DeepspeedStrategy:
     # ---------------------------------------------------------------------------------------------------------
     # Model weights: save_model writes the full weights for use outside training, load_model reads them back
 
-    def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
+    def save_model(self, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's
         save_pretrained(output_dir, state_dict=...) when it has one, with a tokenizer's save_pretrained beside it.
         The keys are module.state_dict()'s and tied tensors stay tied; rank 0 writes each file under a temporary
         name and renames it. All ranks must call it. With load_model, the safe way to exchange weights."""
-        module = self._unwrap_model(model)
-        state_dict = self._full_state_dict(model)  # collective at ZeRO 3
-        if self.is_rank_0():
+        module = self.module
+        state_dict = self._full_state_dict()  # collective at ZeRO 3
+        if self.rank == 0:
             os.makedirs(output_dir, exist_ok=True)
             staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)  # same filesystem, so renames are atomic
             try:
@@ -1197,21 +1322,21 @@ class DeepspeedStrategy:
         if dist.is_initialized():
             dist.barrier()
 
-    def _full_state_dict(self, model) -> dict:
+    def _full_state_dict(self) -> dict:
         """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module under two
         names, and a tensor behind several keys copied once, so ties survive. ZeRO 3 gathers one submodule at a
         time, read-only (modifier_rank=None): nothing is written back to the shards, as DeepSpeed's own private
         gatherer, _zero3_consolidated_16bit_state_dict, does."""
-        module = self._unwrap_model(model)
+        module = self.module
         copies = {}  # id of a parameter or buffer -> its full copy on CPU
         for submodule in module.modules():
             params = list(submodule.parameters(recurse=False))
             # At ZeRO 3 a submodule's full weights exist only inside the gather; below ZeRO 3 it does nothing.
             # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if self.is_rank_0():
+                if self.rank == 0:
                     copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
-        if not self.is_rank_0():
+        if not self.rank == 0:
             return {}
         state_dict = {}
         for key, value in module.state_dict(keep_vars=True).items():
@@ -1220,7 +1345,7 @@ class DeepspeedStrategy:
             state_dict[key] = copies[id(value)]
         return state_dict
 
-    def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
+    def load_model(self, path, map_location, strict, key_replace_fn) -> None:
         """Load a state dict file into model (a module or an engine, which then trains on from it), reading tensors
         only (weights_only=True): a file carrying other objects is refused and its code never runs. The file's CRCs
         are checked first (at ZeRO 3 the work spread over the ranks). A file none of whose keys the model has is
@@ -1228,7 +1353,7 @@ class DeepspeedStrategy:
         its shards."""
         # Below ZeRO 3 this rank reads the whole file and checks it alone; at ZeRO 3, where every rank must call
         # this and reads only its shards, the ranks share the check.
-        zero3 = any(hasattr(p, "ds_id") for p in self._unwrap_model(model).parameters())  # partitioned
+        zero3 = any(hasattr(p, "ds_id") for p in self.module.parameters())  # partitioned
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         folder, name = os.path.split(os.path.abspath(path))
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
@@ -1244,14 +1369,14 @@ class DeepspeedStrategy:
             raise ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}") from None
         if key_replace_fn is not None:
             state_dict = key_replace_fn(state_dict)
-        self._load_state_dict(model, state_dict, strict, source=path)
+        self._load_state_dict(state_dict, strict, source=path)
 
-    def _load_state_dict(self, model, state_dict, strict, source) -> None:
+    def _load_state_dict(self, state_dict, strict, source) -> None:
         """Write state_dict into model's tensors, at ZeRO 3 each rank only its own partition (there
         module.load_state_dict would meet the (0,) placeholders ZeRO 3 leaves between uses, not the weights), then
         into a training engine's fp32 master copy, which the next step would otherwise write back."""
         # {key: the parameter or buffer itself}, a tied tensor under each of its names; at ZeRO 3 too.
-        tensors = self._unwrap_model(model).state_dict(keep_vars=True)
+        tensors = self.module.state_dict(keep_vars=True)
         if not set(state_dict) & set(tensors):
             keys = f"the file has {sorted(state_dict)[:3]}..., the model {sorted(tensors)[:3]}... (key_replace_fn?)"
             raise ValueError(f"none of the {len(state_dict)} keys in {source} is a key of the model: {keys}")
@@ -1268,93 +1393,12 @@ class DeepspeedStrategy:
         if missing or unexpected:
             counts = f"{len(missing)} missing keys {missing[:5]} and {len(unexpected)} unexpected keys {unexpected[:5]}"
             self.print(f"loaded {source} with {counts}")
-        optimizer = getattr(self._engine(model), "optimizer", None)
+        optimizer = getattr(self.engine, "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
 
-    # ---------------------------------------------------------------------------------------------------------
-    # OpenRLHF's contracts: what its SFT, reward-model, DPO and PPO trainers use beyond the training path
 
-    ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
-
-    def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
-        """The exponential moving average OpenRLHF's PPO actor trainer calls after optimizer_step (--enable_ema): on
-        every accumulated_gradient-th call (once per optimizer step) each weight of model_ema whose counterpart in
-        model trains becomes beta * itself + (1 - beta) * that counterpart, computed on device ("cuda", which
-        OpenRLHF's PPO passes on any machine, means this rank's accelerator). All ranks must call it; at ZeRO 3 it
-        gathers one pair of weights at a time."""
-        device = get_accelerator().current_device_name() if device == "cuda" else device
-        self._ema_calls += 1
-        if self._ema_calls % self.accumulated_gradient != 0:
-            return
-        pairs = zip(self._unwrap_model(model).parameters(), self._unwrap_model(model_ema).parameters(), strict=True)
-        for param, ema in pairs:
-            # Below ZeRO 3 the gathers do nothing. At ZeRO 3 the EMA weight's gather (modifier_rank=0) writes rank 0's
-            # new value back into every rank's shard as it exits.
-            if param.requires_grad:
-                with deepspeed.zero.GatheredParameters([param]):
-                    with deepspeed.zero.GatheredParameters([ema], modifier_rank=0):
-                        ema.data.copy_(beta * ema.data.to(device) + (1 - beta) * param.data.to(device))
-
-
-class DistributedSampler(torch.utils.data.DistributedSampler):
-    """torch's DistributedSampler that can start an epoch part-way, under the name and signature OpenRLHF's
-    trainers import: set_epoch(epoch, consumed_samples) skips the epoch's first consumed_samples samples (over
-    all ranks). Iterating again without a set_epoch call starts the next epoch, in a new order."""
-
-    def __init__(self, dataset, num_replicas, rank, shuffle, seed, drop_last, consumed_samples=0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.set_epoch(0, consumed_samples)
-
-    def set_epoch(self, epoch: int, consumed_samples: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.skip = consumed_samples // self.num_replicas
-        self.epoch_was_set = True
-
-    def __iter__(self):
-        # A trainer that calls set_epoch before each pass gets that epoch; one that never does gets the next
-        # epoch on every pass after the first, so its order still changes.
-        if not self.epoch_was_set:
-            self.set_epoch(self.epoch + 1)
-        self.epoch_was_set = False
-        return iter(list(super().__iter__())[self.skip :])
-
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self.skip)
-
-
-class StatefulDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader that resumes mid-epoch, under the name and the two methods of torchdata's, whose state OpenRLHF's
-    PPO trainer checkpoints: given the state_dict() taken after k batches, load_state_dict() makes a loader set up
-    alike yield the batches this one yields after those k, in order, through that epoch and the next ones. The state
-    is plain ints (the next pass's epoch and its consumed samples, over all ranks), so it travels in a checkpoint's
-    client_state. It needs this file's DistributedSampler, which setup_dataloader gives it."""
-
-    yielded = None  # batches of the pass under way; None between passes
-
-    def __iter__(self):
-        # A generator, to count the batches handed out (not those that worker processes have already loaded ahead).
-        self.yielded = 0
-        for batch in super().__iter__():
-            self.yielded += 1
-            yield batch
-        self.yielded = None
-
-    def state_dict(self) -> dict:
-        sampler = self.sampler
-        if sampler.epoch_was_set:  # set_epoch (or load_state_dict) has chosen the next pass
-            return {"epoch": sampler.epoch, "consumed_samples": sampler.skip * sampler.num_replicas}
-        if self.yielded is None:  # a pass has ended: the next one is the next epoch, from its start
-            return {"epoch": sampler.epoch + 1, "consumed_samples": 0}
-        seen = sampler.skip + self.yielded * self.batch_size  # this rank's samples of the epoch so far
-        return {"epoch": sampler.epoch, "consumed_samples": seen * sampler.num_replicas}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.set_epoch(state["epoch"], state["consumed_samples"])
-
-
-# =============================================================================================================
-# The maintainer's part: resuming a checkpoint in another run shape. A learner can stop reading here.
+# The reader of another run shape: DeepSpeed's private save formats, what a maintainer needs.
 #
 # DeepSpeed's own load needs the run shape that saved the checkpoint. For any other, load_ckpt reads the saved
 # files at load time, rather than saving a second, shape-free copy of every checkpoint: saving stays as fast and

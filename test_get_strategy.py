@@ -124,7 +124,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from get_strategy import DeepspeedStrategy, get_strategy
+from get_strategy import Checkpoints, DeepspeedStrategy, get_strategy
 from get_strategy import _free_port as free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -698,7 +698,10 @@ def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
         flip_a_bit_in_the_largest_tensor(damaged / "b.pt", record)
         for world_size in (1, 2, 3, 7):
             sizes = {name: (damaged / name).stat().st_size for name in ("a.pt", "b.pt")}
-            found = [strategy._damaged_files(str(damaged), sizes, {}, r, world_size) for r in range(world_size)]
+            found = [
+                Checkpoints(strategy, None)._damaged_files(str(damaged), sizes, {}, r, world_size)
+                for r in range(world_size)
+            ]
             assert sum(f is not None for f in found) == 1, (record.filename, world_size, found)
             assert "b.pt is damaged (Bad CRC-32" in next(f for f in found if f)
 
@@ -731,7 +734,7 @@ def test_damage_to_the_zip_structure_of_a_file_is_named_by_the_crc_check_never_r
     for what, (offset, value) in damages.items():
         (tmp_path / "b.pt").write_bytes(data[:offset] + value + data[offset + len(value) :])
         sizes = {"b.pt": len(data)}
-        found = [strategy._damaged_files(str(tmp_path), sizes, {}, r, 2) for r in range(2)]
+        found = [Checkpoints(strategy, None)._damaged_files(str(tmp_path), sizes, {}, r, 2) for r in range(2)]
         assert any(f and "b.pt is damaged" in f for f in found), (what, found)
         if what.startswith("compression method"):  # said as what it is, not as a CRC that differs
             assert any(f and "says it is compressed" in f and "CRC" not in f for f in found), (what, found)
@@ -746,14 +749,14 @@ def test_a_tags_leftover_saving_or_replaced_copy_counts_as_a_checkpoint_only_whi
         (tmp_path / name).mkdir()
         (tmp_path / name / "checkpoint_complete.json").write_text("{}")
         os.utime(tmp_path / name / "checkpoint_complete.json", (1000 + when, 1000 + when))
-    assert strategy._complete_checkpoints(str(tmp_path)) == ["A", "B", "C.replaced", "C.saving"]
+    assert Checkpoints(strategy, None)._complete_checkpoints(str(tmp_path)) == ["A", "B", "C.replaced", "C.saving"]
 
 
 def test_marker_files_written_at_once_by_processes_with_equal_pids_all_land(tmp_path):
     """Containers on different nodes often share pids; threads of one process share one for certain."""
     import threading
 
-    write_atomically = DeepspeedStrategy(zero_stage=0)._write_atomically
+    write_atomically = Checkpoints(DeepspeedStrategy(zero_stage=0), None)._write_atomically
 
     errors = []
 
@@ -971,7 +974,43 @@ def one_rank_loads(tmp_path_factory):
             results["verify_seconds"], results["load_seconds"] = seconds[-1], time.perf_counter() - start
             monkeypatch.setattr(ReshapingReader, "owned_fragments", shifted)
             results["layout_moved"] = error_of(strategy.load_ckpt, engine, ckpt)
+        # A plain DeepSpeed checkpoint whose optimizer groups by parameter name, as OpenRLHF's does: LayerNorm's
+        # weight "1.weight" decays there, where create_optimizer's rule (by dimension) groups it with the biases.
+        strategy, plain = new_strategy(2), str(out / "plain")
+
+        def grouped_by_name(init_seed):
+            model = make_model(init_seed=init_seed)
+            decay = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+            no_decay = [p for name, p in model.named_parameters() if name.endswith("bias")]
+            groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+            return strategy.prepare((model, torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS), None))
+
+        engine, optimizer, _ = grouped_by_name(1234)
+        train(strategy, engine, optimizer, None, strategy.setup_dataloader(make_dataset(), MICRO), 2)
+        engine.save_checkpoint(plain)  # DeepSpeed's own save, as OpenRLHF's strategy calls it: no record
+        results["plain_saved"] = optimizer_snapshot(engine)
+        engine, optimizer, scheduler = prepared(strategy, init_seed=999)  # create_optimizer's groups
+        results["plain_other_groups"] = error_of(strategy.load_ckpt, engine, plain)
+        engine, optimizer, _ = grouped_by_name(999)
+        strategy.load_ckpt(engine, plain)
+        results["plain_same_groups"] = optimizer_snapshot(engine)
     return results
+
+
+def test_a_plain_deepspeed_checkpoint_resumes_in_its_own_grouping_and_another_grouping_is_refused_naming_both(
+    one_rank_loads,
+):
+    """OpenRLHF groups weight decay by parameter name, create_optimizer by dimension: DeepSpeed's own load would
+    pair the groups by position and fail with a message about alignment (or swap them where sizes agree)."""
+    error = one_rank_loads["plain_other_groups"]
+    assert error.startswith("ValueError: ") and "optimizer groups hold other parameters than this run's" in error
+    assert "saved [['0.weight', '1.weight', '4.weight'], ['0.bias', '1.bias', '4.bias']]" in error
+    assert "here [['0.weight', '4.weight'], ['0.bias', '1.weight', '1.bias', '4.bias']]" in error
+    saved, loaded = one_rank_loads["plain_saved"], one_rank_loads["plain_same_groups"]
+    assert saved.keys() == loaded.keys() and {"exp_avg", "exp_avg_sq"} <= saved["1.weight"].keys()
+    for name, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(loaded[name][key], value), (name, key)
 
 
 def test_a_load_in_another_shape_reads_back_through_deepspeeds_getters_and_refuses_a_layout_that_moved(one_rank_loads):
@@ -1518,8 +1557,8 @@ def test_a_non_finite_metric_value_is_refused_naming_it(clean_launch_env):
     for value in (float("nan"), float("inf"), "0.5", True, 10**400, torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError, match="save_ckpt metric_value .* must be a finite number"):
             strategy.save_ckpt(None, "unused", metric_value=value)
-    assert strategy._metric(numpy.float32(0.5), "reward") == {"key": "reward", "value": 0.5}
-    assert strategy._metric(torch.tensor(2.0), None) == {"key": None, "value": 2.0}
+    assert Checkpoints(strategy, None)._metric(numpy.float32(0.5), "reward") == {"key": "reward", "value": 0.5}
+    assert Checkpoints(strategy, None)._metric(torch.tensor(2.0), None) == {"key": None, "value": 2.0}
 
 
 @pytest.mark.full

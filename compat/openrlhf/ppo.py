@@ -1,25 +1,34 @@
-"""Run OpenRLHF 0.8.5's own PPO (openrlhf.cli.train_ppo_ray) on get_strategy.py, on a CPU-only Ray cluster.
+"""Run OpenRLHF's own PPO (openrlhf.cli.train_ppo_ray) of 0.8.5 or 0.10.1 on get_strategy.py, on a CPU-only Ray
+cluster.
 
     bash compat/openrlhf/bootstrap.sh                 # once: compat/openrlhf/.venv, with ray 2.43.0
     compat/openrlhf/.venv/bin/python compat/openrlhf/ppo.py [--work DIR] [--only reinforce_2 ...]
-    compat/openrlhf/.venv/bin/python compat/openrlhf/run.py --only ppo      # the same, all rows
+    bash compat/openrlhf/bootstrap.sh 0.10.1          # once: compat/openrlhf/.venv-0.10.1, with ray 2.48.0
+    compat/openrlhf/.venv-0.10.1/bin/python compat/openrlhf/ppo.py --release 0.10.1 [--only reinforce_2 ...]
+    python3 compat/openrlhf/run.py [--release 0.10.1] --only ppo      # the same, all rows, in the release's venv
 
 OpenRLHF's code runs as installed but for one import line of cli/train_ppo_ray.py (its get_strategy), in a copy
 run.py writes. Each launch starts Ray with logical GPUs (ray.init(num_gpus=8, num_cpus=16): Ray only counts
 them), then runs train_ppo_ray as __main__ with its own argparse: the actor on 2 ranks, the reference and reward
 model on 1, the critic on 2, one generation engine. Stand-ins cover what is GPU-only and outside the strategy,
 from standins/ (first on PYTHONPATH): `vllm` (generation with Hugging Face's generate on the CPU, taking the
-actor's weights over gloo), torch.cuda.current_device and synchronize (sitecustomize.py), and run.py's flash_attn.
+actor's weights over gloo: standins/vllm/ for 0.8.5's vLLM 0.9.1, standins/vllm-0.19/vllm/ for 0.10.1's vLLM
+0.19.0), torch.cuda.current_device, synchronize and current_stream (sitecustomize.py), and run.py's flash_attn.
 
 Rows, each at ZeRO 2 and 3, on run.py's tiny random Llama and 16 counting prompts (4 PPO steps of 4 prompts x 2
 samples):
   reinforce: REINFORCE++ with a reward function (--remote_rm_url reward_func.py) and no critic;
   gae:       GAE with a critic and a reward model (random value heads), the reference and reward model offloaded;
-  ema:       reinforce with --enable_ema (save_model then writes the EMA model).
+  ema:       reinforce with --enable_ema (save_model then writes the EMA model); 0.8.5 only.
 Each row: a full run saving a checkpoint after every step; a second launch with --load_checkpoint from the
 checkpoint after step 2, whose steps 3 and 4 must log what the full run's did and whose saved model must equal
 the full run's (ema: OpenRLHF does not checkpoint the EMA model, so the distance is reported); from_pretrained on
 the saved folder. --strategy_dir runs the rows on another copy of get_strategy.py.
+0.10.1's reinforce rows also evaluate after steps 2 and 4 (--eval_dataset, 4 other prompts, --eval_steps 2), and
+its trainer saves a best checkpoint (best_global_step<N>) whenever the evaluation's pass@1 (eval_default_pass1, the
+mean reward) is the best yet; the row needs one, whose record (checkpoint_complete.json) carries that metric.
+0.10.1 evaluates only with --remote_rm_url (train_ppo_ray.py asserts it), so its gae rows, which score with a
+reward model, cannot.
 """
 
 import argparse
@@ -46,8 +55,15 @@ PPO_SWAP = (
 PROMPTS, ROLLOUT, SAMPLES = 16, 4, 2  # 16 prompts, 4 a step, 2 samples each: 8 samples and 4 PPO steps
 STEPS = PROMPTS // ROLLOUT
 RESUME_AT = 2  # the second launch starts from the checkpoint after this step
-ROWS = ("reinforce", "gae", "ema")
+ROWS = {"0.8.5": ("reinforce", "gae", "ema"), "0.10.1": ("reinforce", "gae")}
 STRATEGY_DIR = REPO  # the folder whose get_strategy.py the runs import (--strategy_dir)
+RELEASE = "0.8.5"  # the release of OpenRLHF in this venv (--release)
+# The stand-ins' folders, first on PYTHONPATH: 0.10.1's vLLM stand-in goes before 0.8.5's (standins/vllm).
+STANDINS = {
+    "0.8.5": [os.path.join(HERE, "standins")],
+    "0.10.1": [os.path.join(HERE, "standins", "vllm-0.19"), os.path.join(HERE, "standins")],
+}
+EVAL_PROMPTS, EVAL_STEPS = 4, 2  # 0.10.1: 4 prompts not trained on, evaluated after steps 2 and 4
 
 # The reward function of the reinforce and ema rows: the share of even numbers among the response's words.
 REWARD_FUNC = """import torch
@@ -70,11 +86,18 @@ def fixtures(work):
     from transformers import AutoTokenizer
 
     reward = os.path.join(work, "reward")
-    model = get_llm_for_sequence_regression(pretrain, "reward", init_value_head=True, bf16=False)
+    if RELEASE == "0.8.5":
+        model = get_llm_for_sequence_regression(pretrain, "reward", init_value_head=True, bf16=False)
+    else:  # 0.10.1 names the dtype param_dtype (bf16, the default its runs train in) and needs another attention
+        model = get_llm_for_sequence_regression(pretrain, "reward", init_value_head=True, attn_implementation="eager")
     model.save_pretrained(reward)
     AutoTokenizer.from_pretrained(pretrain).save_pretrained(reward)
     rows = [{"input": f"count on from {n}"} for n in range(PROMPTS)]
     run.write(os.path.join(work, "prompts.jsonl"), "".join(json.dumps(row) + "\n" for row in rows))
+    # 0.10.1's evaluation set: prompts the runs do not train on, so that the vLLM stand-in's seeds for them never
+    # depend on whether an evaluation ran before a training step.
+    rows = [{"input": f"count on from {n}"} for n in range(40, 40 + EVAL_PROMPTS)]
+    run.write(os.path.join(work, "eval.jsonl"), "".join(json.dumps(row) + "\n" for row in rows))
     run.write(os.path.join(work, "reward_func.py"), REWARD_FUNC)
     return pretrain, reward
 
@@ -85,8 +108,6 @@ def flags(row, stage, work, pretrain, reward, out, resume):
         "--prompt_data": os.path.join(work, "prompts.jsonl"),
         "--input_key": "input",
         "--max_samples": PROMPTS,
-        "--prompt_max_len": 16,
-        "--generate_max_len": 8,
         "--rollout_batch_size": ROLLOUT,
         "--n_samples_per_prompt": SAMPLES,
         "--micro_rollout_batch_size": 2,
@@ -108,6 +129,14 @@ def flags(row, stage, work, pretrain, reward, out, resume):
         "--save_path": os.path.join(out, "final"),
         "--seed": 42,
     }
+    if RELEASE == "0.8.5":
+        options.update({"--prompt_max_len": 16, "--generate_max_len": 8})
+    else:
+        # 0.10.1 bounds prompt and response together (--max_len) and the response alone (--max_new_tokens). Its
+        # default attention, flash_attention_2, needs a GPU: a flag, no stand-in.
+        options.update({"--max_len": 24, "--max_new_tokens": 8, "--attn_implementation": "eager"})
+        if row == "reinforce":  # evaluation needs --remote_rm_url in 0.10.1; best_metric_key's default picks pass1
+            options.update({"--eval_dataset": os.path.join(work, "eval.jsonl"), "--eval_steps": EVAL_STEPS})
     if row == "gae":
         options.update({"--advantage_estimator": "gae", "--reward_pretrain": reward})
         extra = ["--ref_reward_offload", "--save_value_network"]
@@ -130,7 +159,7 @@ def launch(row, stage, work, site, pretrain, reward, name, resume):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(
-        PYTHONPATH=os.pathsep.join([os.path.join(HERE, "standins"), site, STRATEGY_DIR]),
+        PYTHONPATH=os.pathsep.join([*STANDINS[RELEASE], site, STRATEGY_DIR]),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         RAY_DEDUP_LOGS="0",  # every actor's lines, so each step's status is seen
@@ -145,12 +174,21 @@ def launch(row, stage, work, site, pretrain, reward, name, resume):
             f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}"
         )
     # Each step's status as logged: {step: its text}; equal texts are equal numbers, to the last printed digit.
-    return seconds, {int(step): text for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
+    # 0.10.1 also logs each phase's seconds (timing/...), which no two runs share: they are left out.
+    steps = {int(step): untimed(text) for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
+    # 0.10.1's evaluations: {step: their metrics' text}.
+    evals = dict(re.findall(r"global_step (\d+), eval_metrics: (\{.*\})", done.stdout))
+    return seconds, steps, {int(step): text for step, text in evals.items()}
+
+
+def untimed(status):
+    """A logged status without its timing/... entries."""
+    return re.sub(r"'timing/[^']*': [^,}]+(, )?", "", status)
 
 
 def value(status, key):
     """One number of a logged status (a dict's text, whose floats may be nan)."""
-    return float(re.search(rf"'{key}': ([^,}}]+)", status).group(1))
+    return float(re.search(rf"'{re.escape(key)}': ([^,}}]+)", status).group(1))
 
 
 def resume(row, stage, work, site, pretrain, reward, source, name):
@@ -169,21 +207,34 @@ def check(row, stage, work, site, pretrain, reward):
     from transformers import AutoModelForCausalLM
 
     name = f"{row}_{stage}"
-    seconds, full = launch(row, stage, work, site, pretrain, reward, name, resume=False)
+    seconds, full, evals = launch(row, stage, work, site, pretrain, reward, name, resume=False)
     assert sorted(full) == list(range(1, STEPS + 1)), f"steps logged: {sorted(full)}"
-    checkpoints = [
-        n for n in os.listdir(os.path.join(work, name, "ckpt", "_actor")) if re.fullmatch(r"global_step\d+", n)
-    ]
-    _, again = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
+    actor_ckpt = os.path.join(work, name, "ckpt", "_actor")
+    checkpoints = [n for n in os.listdir(actor_ckpt) if re.fullmatch(r"global_step\d+", n)]
+    # 0.10.1's best checkpoints, each with the metric its record carries: {tag: {"key", "value"}}, for the actor
+    # and (gae) the critic. Read before the resumed launch, which saves its own into a copy.
+    best = {}
+    for model in ("_actor", "_critic"):
+        folder = os.path.join(work, name, "ckpt", model)
+        for tag in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if tag.startswith("best"):
+                with open(os.path.join(folder, tag, "checkpoint_complete.json")) as f:
+                    best[f"{model[1:]}/{tag}"] = json.load(f)["metric"]
+    _, again, _ = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
     assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1)), f"resumed steps logged: {sorted(again)}"
     same_steps = all(again[s] == full[s] for s in again)  # every logged number, to the bit
     final = run.saved_weights(os.path.join(work, name, "final"))
     resume_diff = run.max_abs_diff(final, run.saved_weights(os.path.join(work, f"{name}_resumed", "final")))
     loaded, info = AutoModelForCausalLM.from_pretrained(os.path.join(work, name, "final"), output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
-    equal = all(torch.equal(loaded.state_dict()[k], v) for k, v in final.items() if k in loaded.state_dict())
+    # In float32: 0.10.1 saves bfloat16 weights, which from_pretrained may load in another dtype (exactly).
+    weights = loaded.state_dict()
+    equal = all(torch.equal(weights[k].float(), v.float()) for k, v in final.items() if k in weights)
     key = "critic_loss" if row == "gae" else "policy_loss"
+    metric = "eval_default_pass1"  # 0.10.1's pass@1 on the evaluation set (datasource "default"): the mean reward
     return dict(
+        best=best,
+        evals={step: value(text, metric) for step, text in evals.items()},
         row=row,
         stage=stage,
         checkpoints=len(checkpoints),
@@ -214,47 +265,66 @@ def launched():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", default="/tmp/openrlhf-compat-ppo", help="scratch folder, emptied first")
-    parser.add_argument("--only", nargs="*", help="rows to run, such as reinforce_2 gae_3 (default: all six)")
+    parser.add_argument(
+        "--work", default=None, help="scratch folder, emptied first (/tmp/openrlhf-compat-ppo[-0.10.1])"
+    )
+    parser.add_argument("--only", nargs="*", help="rows to run, such as reinforce_2 gae_3 (default: all)")
     parser.add_argument(
         "--strategy_dir", default=REPO, help="the folder of the get_strategy.py to run (a scratch copy)"
     )
+    parser.add_argument("--release", choices=list(ROWS), default="0.8.5", help="the OpenRLHF in this venv")
     args = parser.parse_args(argv)
-    global STRATEGY_DIR
-    STRATEGY_DIR = os.path.abspath(args.strategy_dir)
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
-    site = run.patched_openrlhf(args.work, "0.8.5")
+    global STRATEGY_DIR, RELEASE
+    STRATEGY_DIR, RELEASE = os.path.abspath(args.strategy_dir), args.release
+    from importlib.metadata import version
+
+    assert version("openrlhf") == RELEASE, f"this venv holds OpenRLHF {version('openrlhf')}, not {RELEASE}"
+    work = args.work or "/tmp/openrlhf-compat-ppo" + ("" if RELEASE == "0.8.5" else f"-{RELEASE}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    args.work = work
+    site = run.patched_openrlhf(args.work, RELEASE)
     path, old, new = PPO_SWAP
     text = open(os.path.join(site, "openrlhf", path)).read()
     assert text.count(old) == 1, f"{path}: expected the line {old!r} once"
     run.write(os.path.join(site, "openrlhf", path), text.replace(old, new))
     sys.path[:0] = [site, REPO]
     pretrain, reward = fixtures(args.work)
-    rows = [(r, s) for r in ROWS for s in (2, 3) if not args.only or f"{r}_{s}" in args.only]
+    rows = [(r, s) for r in ROWS[RELEASE] for s in (2, 3) if not args.only or f"{r}_{s}" in args.only]
     print(
-        "| row | ZeRO | PPO steps | checkpoints | reward, step 1 → 4 | loss, step 1 → 4 | resumed steps 3-4 equal | "
-        "resumed vs full run, max abs weight diff | from_pretrained | seconds (full run) |"
+        "| release | row | ZeRO | PPO steps | checkpoints | best checkpoints: metric | reward, step 1 → 4 | "
+        "loss, step 1 → 4 | resumed steps 3-4 equal | resumed vs full run, max abs weight diff | from_pretrained | "
+        "seconds (full run) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     failed = False
     for row, stage in rows:
         try:
             r = check(row, stage, args.work, site, pretrain, reward)
         except Exception as error:  # report and go on, so one failure does not hide the others
-            print(f"| {row} | {stage} | FAILED: {str(error).splitlines()[0]} | | | | | | | |", flush=True)
+            print(f"| {RELEASE} | {row} | {stage} | FAILED: {str(error).splitlines()[0]} | | | | | | | | |", flush=True)
             failed = True
             continue
         exact = r["resume_diff"] == 0 or row == "ema"  # OpenRLHF does not checkpoint the EMA model
         ok = r["checkpoints"] == STEPS and r["same_steps"] and exact and r["loads"]
+        if RELEASE == "0.10.1" and row == "reinforce":  # it evaluates: a best checkpoint carrying its metric
+            ok &= bool(r["best"]) and all(m and m["key"] == "eval_default_pass1" for m in r["best"].values())
+            ok &= all(r["best"][tag]["value"] == max(r["evals"].values()) for tag in r["best"])
+        best = "; ".join(f"{tag}: {m['key']}={m['value']:.4f}" for tag, m in r["best"].items() if m) or "none"
+        if RELEASE == "0.8.5":
+            best = "(0.8.5 has none)"
+        elif row == "gae":
+            best = "none: no evaluation (README)"
         failed |= not ok
         print(
-            f"| {row} | {stage} | {len(r['rewards'])} | {r['checkpoints']} | "
+            f"| {RELEASE} | {row} | {stage} | {len(r['rewards'])} | {r['checkpoints']} | {best} | "
             f"{r['rewards'][0]:.4f} → {r['rewards'][-1]:.4f} | {r['loss_name']} {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | "
             f"{'yes' if r['same_steps'] else 'NO'} | {r['resume_diff']:.1e} | {'loads' if r['loads'] else r['problems']} | "
             f"{r['seconds']:.0f} |" + ("" if ok else " <- FAILED"),
             flush=True,
         )
+        if r["evals"]:
+            print(f"    evaluations (eval_default_pass1 by step): {r['evals']}", flush=True)
     return 1 if failed else 0
 
 

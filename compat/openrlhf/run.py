@@ -504,7 +504,7 @@ def main():
         "--only",
         nargs="*",
         help="runs to do, such as sft_2 kd_3 infer_generate_0 (default: all; sft_2to3 needs sft_2 and sft_3); "
-        "ppo: only OpenRLHF 0.8.5's PPO under Ray, all its rows (ppo.py, in 0.8.5's venv)",
+        "ppo: only OpenRLHF's PPO under Ray, all its rows (ppo.py, in each --release's venv; default both)",
     )
     parser.add_argument(
         "--python",
@@ -521,8 +521,12 @@ def main():
 
     pythons = {release: os.path.join(HERE, venv, "bin", "python") for release, venv in VENVS.items()}
     pythons.update(item.split("=", 1) for item in args.python)
-    if args.only == ["ppo"]:
-        sys.exit(subprocess.call([pythons["0.8.5"], os.path.join(HERE, "ppo.py")]))
+    if args.only == ["ppo"]:  # ppo.py prints its own table, release by release
+        codes = [
+            subprocess.call([pythons[release], os.path.join(HERE, "ppo.py"), "--release", release])
+            for release in args.release or list(VENVS)
+        ]
+        sys.exit(1 if any(codes) else 0)
     started, rows, failed = time.perf_counter(), [], False
     for release in args.release or list(VENVS):
         selected = [name for name in names(release) if not args.only or name in args.only]

@@ -1,6 +1,6 @@
-"""Started in every process of the PPO runs (the driver and each Ray worker) through PYTHONPATH. OpenRLHF 0.8.5's
-Ray code calls torch.cuda itself, outside the strategy; on a machine without a GPU these two calls stand in. Last,
-one shim for a renamed argument of torch's."""
+"""Started in every process of the PPO runs (the driver and each Ray worker) through PYTHONPATH. OpenRLHF's Ray code
+(0.8.5 and 0.10.1) calls torch.cuda itself, outside the strategy; on a machine without a GPU these calls stand in.
+Last, one shim for a renamed argument of torch's."""
 
 import inspect
 
@@ -18,6 +18,9 @@ class _CPU(str):
 
 torch.cuda.current_device = lambda: _CPU("cpu")  # the trainers and actors move batches with it
 torch.cuda.synchronize = lambda device=None: None  # after each fit and barrier; nothing runs asynchronously on a CPU
+# 0.10.1's actor passes torch.cuda.current_stream() to the weight broadcast to vLLM (ppo_actor.py, _broadcast_param),
+# whose stand-in (vllm-0.19/vllm/distributed/device_communicators/pynccl.py) takes no stream: there is none.
+torch.cuda.current_stream = lambda device=None: None
 
 
 # Not GPU-only, but torch's: OpenRLHF's init_process_group (utils/distributed_util.py), which makes the group that

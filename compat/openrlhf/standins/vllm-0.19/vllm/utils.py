@@ -1,0 +1,5 @@
+import uuid
+
+
+def random_uuid() -> str:  # vLLM's: a request's id
+    return uuid.uuid4().hex

@@ -803,11 +803,14 @@ class Checkpoints:
         return {"key": key, "value": number}
 
     def _write_own_files(self, save_dir, tag, client_state):
-        """Write this rank's files of the checkpoint into <tag>.saving and make them durable; returns None, or what
-        failed. A failed write is noted rather than raised: this rank still meets the others in DeepSpeed's own
-        barriers, and then all learn of it together instead of waiting for the process group's timeout."""
-        rank, staging, failed = self.rank, os.path.join(save_dir, tag + STAGING), []
-        writer = self.engine.checkpoint_engine  # DeepSpeed writes every file with its save(state_dict, path)
+        """Write this rank's files of the checkpoint into <tag>.saving; returns None, or what failed. DeepSpeed writes
+        every file through its checkpoint engine's save(state_dict, path): this wraps that method (and the one copy
+        DeepSpeed makes without it) so that each write is also made durable (fsync), and a failure is noted, and
+        the writes after it skipped, instead of raised. Raised, it would take this rank out of the barriers inside
+        DeepSpeed's save_checkpoint while the others wait there until the process group's timeout; noted, it
+        reaches every rank at the agreement after the save."""
+        engine, staging, failed = self.engine, os.path.join(save_dir, tag + STAGING), []
+        writer = engine.checkpoint_engine
         write = writer.save
 
         def attempt(path, function, *args):  # the first failure is noted; every write after it is skipped
@@ -822,21 +825,18 @@ class Checkpoints:
             self._fsync(path)
 
         writer.save = lambda state_dict, path: attempt(path, write_durably, state_dict, path)
-        # One file DeepSpeed writes without its writer: rank 0 copies its scripts zero_to_fp32.py and
-        # zero_to_torch.py into save_dir at ZeRO 1-3. Raised, that failure would leave the others in DeepSpeed's
-        # last barrier until the process group's timeout.
-        copy_scripts = self.engine._copy_recovery_script
-        self.engine._copy_recovery_script = lambda path: attempt(
-            os.path.join(path, "zero_to_fp32.py"), copy_scripts, path
-        )
+        # The copy DeepSpeed makes without its writer: at ZeRO 1-3 rank 0 copies its scripts zero_to_fp32.py and
+        # zero_to_torch.py into save_dir, after its last write and before its last barrier.
+        copy_scripts = engine._copy_recovery_script
+        engine._copy_recovery_script = lambda path: attempt(os.path.join(path, "zero_to_fp32.py"), copy_scripts, path)
         try:
-            writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=rank)))
-            self.engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
+            writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=self.rank)))
+            engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
             attempt(staging, self._fsync, staging)  # the folder's list of names, too
         except OSError as error:  # the folder itself is gone (a node that lost its mount)
             failed.append((staging, str(error)))
         finally:
-            del writer.save, self.engine._copy_recovery_script  # the methods of DeepSpeed's classes again
+            del writer.save, engine._copy_recovery_script  # the methods of DeepSpeed's classes again
         if not failed:
             return None
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
@@ -845,7 +845,7 @@ class Checkpoints:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
             why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
-        return f"save_ckpt failed on rank {rank} ({socket.gethostname()}) writing {path}: {error}; {why}"
+        return f"save_ckpt failed on rank {self.rank} ({socket.gethostname()}) writing {path}: {error}; {why}"
 
     def _space_problem(self, save_dir):
         """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
@@ -1411,15 +1411,6 @@ class Checkpoints:
 # Fragments: which elements of which parameter each of its optimizer's fp32 masters holds. read_elements fills a
 # fragment from the pieces that overlap it; write_tensor writes 16-bit weights, frozen parameters and buffers.
 #
-# A worked example: a parameter of 131,584 elements saved by 4 ranks at ZeRO 3 and resumed by 3 ranks at ZeRO 2.
-# ZeRO 3 cut it into 4 slices of 32,896 elements (numel / 4, rounded up): rank r's optimizer file holds elements
-# [32,896 r, 32,896 (r + 1)) of it inside its flat fp32 partition, after the slices of the parameters before it,
-# and Adam's moments at the same offsets. Reading gives 4 pieces per key, starting at 0, 32,896, 65,792, 98,688.
-# ZeRO 2 lays a group's parameters end to end and gives each rank one range of that line; say rank 1's range
-# starts 20,000 elements into this parameter: its fragment is (name, start 20,000, offset 0, length 111,584), and
-# read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into the master.
-# Last, update_lp_params() (every rank) gathers the ranges into each rank's 16-bit weights.
-#
 # What it reads and writes, and the private DeepSpeed 0.19.8 names it relies on (the oldest release that
 # requirements.txt allows; the reshape tests fail if a later release renames them):
 #
@@ -1634,86 +1625,97 @@ class ReshapingReader:
         return matches
 
     def read_saved(self) -> SavedCheckpoint:
-        """The checkpoint's pieces and optimizer state. Where DeepSpeed puts each tensor depends on the ZeRO stage
-        that saved it:
-        - 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter index
-          (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
-        - 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's moments
-          alike; its param_slice_mappings say where each parameter's fragment lies in it. A parameter's fragments
-          in rank order make it whole.
-        - 3: each rank's optimizer file holds one flat partition per sub-group: each parameter's ZeRO 3 slice, in
-          order. Each rank's model file holds its slices of the frozen parameters.
-        Frozen parameters and buffers lie whole in rank 0's model file below ZeRO 3."""
-        stage, world_size, done = self.done["zero_stage"], self.done["world_size"], self.done
-
-        def load(name):  # memory-mapped: tensors are read from disk only where they are sliced
-            return torch.load(os.path.join(self.ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
-
-        pieces, steps, state_keys = {}, [], set()
-
-        def add(name, key, start, tensor, offset=0, length=None):
-            """Record tensor as a piece of (name, key) from element start on: its flattened elements
-            [offset, offset + length), or all."""
-            end = None if length is None else offset + length
-            pieces.setdefault((name, key), []).append(Piece(start, tensor.reshape(-1)[offset:end]))
-
-        def add_state(name, start, state, offset=0, length=None):
-            """The optimizer's state of one parameter (ZeRO 0) or flat range (ZeRO 1-3): its moments and its
-            step. Steps are all the run's step count, except where a parameter never had a gradient (none yet):
-            so the largest is the one to resume from."""
-            steps.append(state.get("step", 0))
-            for key in state.keys() - {"step"}:
-                state_keys.add(key)
-                add(name, key, start, state[key], offset, length)
-
-        model_states = load(model_states_file(stage))
-        module = model_states["module"]
+        """The checkpoint's pieces and optimizer state, read by the function for the layout of the ZeRO stage that
+        saved it. Frozen parameters and buffers lie whole in rank 0's model file below ZeRO 3."""
+        self.pieces, self.steps, self.saved_keys = {}, [], set()
+        stage, tensors = self.done["zero_stage"], self.done["tensors"]
+        model_states = self.read_file(model_states_file(stage))
         if stage == 0:
-            optimizer = model_states["optimizer"]
-            torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps it, with fp32 copies
-            for g, (group, names) in enumerate(zip(torch_state["param_groups"], done["groups"], strict=True)):
-                for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
-                    value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else module[name]
-                    add(name, "value", 0, value)
-                    # {} for a parameter that never had a gradient (no moments, step 0), as in ZeRO 1-3's files below.
-                    add_state(name, 0, torch_state["state"].get(index, {}))
-        # ZeRO 1 and 2 cut the parameters, laid end to end, into one range per rank, so a parameter's fragments
-        # follow each other in rank order: seen[name] counts its elements in earlier ranks' fragments, which is
-        # where the next fragment starts.
-        seen = dict.fromkeys(done["tensors"], 0)
-        for rank in range(world_size if stage > 0 else 0):
-            # Found by the end of its name: bf16 runs prefix it with bf16_.
-            optimizer_file = next(n for n in done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-            saved = load(optimizer_file)["optimizer_state_dict"]  # the ZeRO optimizer's state, around torch's
-            if stage < 3:
-                torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
-                layouts = []  # per group, a Fragment of each parameter, as zero3_layout gives them
-                for mapping in saved["param_slice_mappings"]:
-                    layouts.append([])
-                    for name, fragment in mapping.items():
-                        layouts[-1].append(Fragment(name, seen[name], fragment.start, fragment.numel))
-                        seen[name] += fragment.numel
-            else:
-                torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
-                layouts = [zero3_layout(shapes, world_size, rank) for shapes in model_states["param_shapes"]]
-                frozen = load(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"] or {}
-                for name, fragment in frozen.items():
-                    start, length, _ = zero3_slice(math.prod(done["tensors"][name]), world_size, rank)
-                    add(name, "value", start, fragment, 0, length)
+            groups = self.read_zero0(model_states)
+        elif stage < 3:
+            groups = self.read_zero12()
+        else:
+            groups = self.read_zero3(model_states["param_shapes"])
+        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies in the
+        # module, or at ZeRO 3 among the frozen fragments read_zero3 read, like the buffers.
+        for name in tensors:
+            if (name, "value") not in self.pieces and (stage < 3 or name in model_states["buffer_names"]):
+                self.add(name, "value", 0, model_states["module"][name])
+            if (name, "value") not in self.pieces:
+                raise ValueError(f"checkpoint {self.ckpt_dir} holds no value of {name}: it was not saved whole")
+        return SavedCheckpoint(self.pieces, groups, int(max(self.steps, default=0)), self.saved_keys, model_states)
+
+    def read_file(self, name):
+        """A saved file, memory-mapped: its tensors are read from disk only where they are sliced."""
+        return torch.load(os.path.join(self.ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
+
+    def optimizer_file(self, rank: int) -> str:
+        """Rank's optimizer file at ZeRO 1-3, found by the end of its name (bf16 runs prefix it with bf16_)."""
+        return next(n for n in self.done["files"] if n.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+
+    def add(self, name, key, start, tensor, offset=0, length=None) -> None:
+        """Record tensor as a piece of (name, key) from element start on: its flattened elements [offset, offset +
+        length), or all."""
+        end = None if length is None else offset + length
+        self.pieces.setdefault((name, key), []).append(Piece(start, tensor.reshape(-1)[offset:end]))
+
+    def add_state(self, name, start, state, offset=0, length=None) -> None:
+        """The optimizer's state of one parameter (ZeRO 0) or flat range (ZeRO 1-3): its moments and its step.
+        Steps are all the run's step count, except where a parameter never had a gradient (none yet): so the
+        largest is the one to resume from."""
+        self.steps.append(state.get("step", 0))
+        for key in state.keys() - {"step"}:
+            self.saved_keys.add(key)
+            self.add(name, key, start, state[key], offset, length)
+
+    def read_zero0(self, model_states) -> list:
+        """ZeRO 0: rank 0's model file holds everything whole: the weights, torch's optimizer state by parameter
+        index (in the groups' order, whose names save_ckpt recorded) and, at bf16, fp32 copies of the weights.
+        Returns the groups' hyperparameters."""
+        optimizer = model_states["optimizer"]
+        torch_state = optimizer.get("optimizer_state_dict", optimizer)  # bf16 wraps it, with fp32 copies
+        for g, (group, names) in enumerate(zip(torch_state["param_groups"], self.done["groups"], strict=True)):
+            for i, (index, name) in enumerate(zip(group["params"], names, strict=True)):
+                value = optimizer["fp32_groups"][g][i] if "fp32_groups" in optimizer else model_states["module"][name]
+                self.add(name, "value", 0, value)
+                # {} for a parameter that never had a gradient (no moments, step 0), as in ZeRO 1-3's files.
+                self.add_state(name, 0, torch_state["state"].get(index, {}))
+        return torch_state["param_groups"]
+
+    def read_zero12(self) -> list:
+        """ZeRO 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's
+        moments alike; its param_slice_mappings say where each parameter's fragment lies in it. The parameters
+        are laid end to end and cut into one range per rank, so a parameter's fragments follow each other in rank
+        order. Returns the groups' hyperparameters (of the last file: every rank's are the same)."""
+        seen = dict.fromkeys(self.done["tensors"], 0)  # each parameter's elements in earlier ranks' fragments
+        for rank in range(self.done["world_size"]):
+            saved = self.read_file(self.optimizer_file(rank))["optimizer_state_dict"]
+            torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
+            for g, (flat, mapping) in enumerate(zip(flats, saved["param_slice_mappings"], strict=True)):
+                for name, fragment in mapping.items():
+                    self.add(name, "value", seen[name], flat, fragment.start, fragment.numel)
+                    self.add_state(name, seen[name], torch_state["state"].get(g, {}), fragment.start, fragment.numel)
+                    seen[name] += fragment.numel
+        return torch_state["param_groups"]
+
+    def read_zero3(self, param_shapes) -> list:
+        """ZeRO 3: each rank's optimizer file holds one flat partition per sub-group (param_shapes lists each
+        sub-group's parameters): each parameter's ZeRO 3 slice, in order. Each rank's model file holds its slices
+        of the frozen parameters. Returns the groups' hyperparameters."""
+        world_size, tensors = self.done["world_size"], self.done["tensors"]
+        for rank in range(world_size):
+            saved = self.read_file(self.optimizer_file(rank))["optimizer_state_dict"]
+            torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
+            layouts = [zero3_layout(shapes, world_size, rank) for shapes in param_shapes]
             for g, (flat, layout) in enumerate(zip(flats, layouts, strict=True)):
                 for name, start, offset, length in layout:
-                    add(name, "value", start, flat, offset, length)
-                    add_state(name, start, torch_state["state"].get(g, {}), offset, length)
-        # The groups' hyperparameters: rank 0's model file at ZeRO 0, else any rank's optimizer file (the last read).
-        groups = torch_state["param_groups"]
-        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies in the
-        # module, or at ZeRO 3 among the frozen fragments read above, like the buffers.
-        for name in done["tensors"]:
-            if (name, "value") not in pieces and (stage < 3 or name in model_states["buffer_names"]):
-                add(name, "value", 0, module[name])
-            if (name, "value") not in pieces:
-                raise ValueError(f"checkpoint {self.ckpt_dir} holds no value of {name}: it was not saved whole")
-        return SavedCheckpoint(pieces, groups, int(max(steps, default=0)), state_keys, model_states)
+                    self.add(name, "value", start, flat, offset, length)
+                    self.add_state(name, start, torch_state["state"].get(g, {}), offset, length)
+            frozen = self.read_file(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
+            for name, fragment in (frozen or {}).items():
+                start, length, _ = zero3_slice(math.prod(tensors[name]), world_size, rank)
+                self.add(name, "value", start, fragment, 0, length)
+        return torch_state["param_groups"]
 
 
 def training_optimizer(engine):
@@ -1727,6 +1729,14 @@ def model_states_file(stage: int) -> str:
     return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
+# A worked example: a parameter of 131,584 elements saved by 4 ranks at ZeRO 3 and resumed by 3 ranks at ZeRO 2.
+# ZeRO 3 cut it into 4 slices of 32,896 elements (numel / 4, rounded up): rank r's optimizer file holds elements
+# [32,896 r, 32,896 (r + 1)) of it inside its flat fp32 partition, after the slices of the parameters before it,
+# and Adam's moments at the same offsets. Reading gives 4 pieces per key, starting at 0, 32,896, 65,792, 98,688.
+# ZeRO 2 lays a group's parameters end to end and gives each rank one range of that line; say rank 1's range
+# starts 20,000 elements into this parameter: its fragment is (name, start 20,000, offset 0, length 111,584), and
+# read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into the master.
+# Last, update_lp_params() (every rank) gathers the ranges into each rank's 16-bit weights.
 def read_elements(pieces, start: int, length: int) -> torch.Tensor:
     """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies (the
     moments of a parameter that never had a gradient). Only the slices that overlap are read."""

@@ -19,16 +19,19 @@ Rows, each at ZeRO 2 and 3, on run.py's tiny random Llama and 16 counting prompt
 samples):
   reinforce: REINFORCE++ with a reward function (--remote_rm_url reward_func.py) and no critic;
   gae:       GAE with a critic and a reward model (random value heads), the reference and reward model offloaded;
-  ema:       reinforce with --enable_ema (save_model then writes the EMA model); 0.8.5 only.
+  ema:       reinforce with --enable_ema (save_model then writes the EMA model); 0.8.5 only;
+  gae_eval:  GAE with a critic scored by the reward function, the reference offloaded, evaluated; 0.10.1 only.
 Each row: a full run saving a checkpoint after every step; a second launch with --load_checkpoint from the
 checkpoint after step 2, whose steps 3 and 4 must log what the full run's did and whose saved model must equal
 the full run's (ema: OpenRLHF does not checkpoint the EMA model, so the distance is reported); from_pretrained on
 the saved folder. --strategy_dir runs the rows on another copy of get_strategy.py.
-0.10.1's reinforce rows also evaluate after steps 2 and 4 (--eval_dataset, 4 other prompts, --eval_steps 2), and
-its trainer saves a best checkpoint (best_global_step<N>) whenever the evaluation's pass@1 (eval_default_pass1, the
-mean reward) is the best yet; the row needs one, whose record (checkpoint_complete.json) carries that metric.
-0.10.1 evaluates only with --remote_rm_url (train_ppo_ray.py asserts it), so its gae rows, which score with a
-reward model, cannot.
+0.10.1's reinforce and gae_eval rows also evaluate after steps 2 and 4 (--eval_dataset, 4 other prompts,
+--eval_steps 2), and its trainer saves a best checkpoint (best_global_step<N>) of the actor and the critic whenever
+the evaluation's pass@1 (eval_default_pass1, the mean reward) is the best yet; the row needs one of each model,
+whose record (checkpoint_complete.json) carries that metric. 0.10.1 evaluates only with --remote_rm_url
+(train_ppo_ray.py asserts it), so its gae rows, which score with a reward model, cannot: gae_eval is GAE with one.
+0.10.1 collects samples in the order its engine calls finish, so resumed runs are held to what the strategy
+restores, to the bit, and to a bound on the last step (README, and main() below).
 """
 
 import argparse
@@ -55,7 +58,7 @@ PPO_SWAP = (
 PROMPTS, ROLLOUT, SAMPLES = 16, 4, 2  # 16 prompts, 4 a step, 2 samples each: 8 samples and 4 PPO steps
 STEPS = PROMPTS // ROLLOUT
 RESUME_AT = 2  # the second launch starts from the checkpoint after this step
-ROWS = {"0.8.5": ("reinforce", "gae", "ema"), "0.10.1": ("reinforce", "gae")}
+ROWS = {"0.8.5": ("reinforce", "gae", "ema"), "0.10.1": ("reinforce", "gae", "gae_eval")}
 STRATEGY_DIR = REPO  # the folder whose get_strategy.py the runs import (--strategy_dir)
 RELEASE = "0.8.5"  # the release of OpenRLHF in this venv (--release)
 # The stand-ins' folders, first on PYTHONPATH: 0.10.1's vLLM stand-in goes before 0.8.5's (standins/vllm).
@@ -64,6 +67,7 @@ STANDINS = {
     "0.10.1": [os.path.join(HERE, "standins", "vllm-0.19"), os.path.join(HERE, "standins")],
 }
 EVAL_PROMPTS, EVAL_STEPS = 4, 2  # 0.10.1: 4 prompts not trained on, evaluated after steps 2 and 4
+EVALUATED = ("reinforce", "gae_eval")  # 0.10.1's rows that evaluate and save best checkpoints
 
 # The reward function of the reinforce and ema rows: the share of even numbers among the response's words.
 REWARD_FUNC = """import torch
@@ -135,10 +139,13 @@ def flags(row, stage, work, pretrain, reward, out, resume):
         # 0.10.1 bounds prompt and response together (--max_len) and the response alone (--max_new_tokens). Its
         # default attention, flash_attention_2, needs a GPU: a flag, no stand-in.
         options.update({"--max_len": 24, "--max_new_tokens": 8, "--attn_implementation": "eager"})
-        if row == "reinforce":  # evaluation needs --remote_rm_url in 0.10.1; best_metric_key's default picks pass1
+        if row in EVALUATED:  # evaluation needs --remote_rm_url in 0.10.1; best_metric_key's default picks pass1
             options.update({"--eval_dataset": os.path.join(work, "eval.jsonl"), "--eval_steps": EVAL_STEPS})
     if row == "gae":
         options.update({"--advantage_estimator": "gae", "--reward_pretrain": reward})
+        extra = ["--ref_reward_offload", "--save_value_network"]
+    elif row == "gae_eval":  # the critic starts from the actor's model with a new value head, as OpenRLHF defaults
+        options.update({"--advantage_estimator": "gae", "--remote_rm_url": os.path.join(work, "reward_func.py")})
         extra = ["--ref_reward_offload", "--save_value_network"]
     else:
         options.update({"--advantage_estimator": "reinforce", "--remote_rm_url": os.path.join(work, "reward_func.py")})
@@ -173,22 +180,58 @@ def launch(row, stage, work, site, pretrain, reward, name, resume):
         raise RuntimeError(
             f"{name} exited {done.returncode}; its output is in {work}/{name}.log:\n{done.stdout[-3000:]}"
         )
-    # Each step's status as logged: {step: its text}; equal texts are equal numbers, to the last printed digit.
-    # 0.10.1 also logs each phase's seconds (timing/...), which no two runs share: they are left out.
-    steps = {int(step): untimed(text) for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
-    # 0.10.1's evaluations: {step: their metrics' text}.
-    evals = dict(re.findall(r"global_step (\d+), eval_metrics: (\{.*\})", done.stdout))
-    return seconds, steps, {int(step): text for step, text in evals.items()}
+    # Each step's status as logged: {step: {key: the number's text}}; equal texts are equal numbers, to the last
+    # printed digit (Python prints a float's shortest exact repr).
+    steps = {int(step): numbers(text) for step, text in re.findall(r"Global step (\d+): (\{.*\})", done.stdout)}
+    # 0.10.1's evaluations: {step: their metrics}.
+    evals = re.findall(r"global_step (\d+), eval_metrics: (\{.*\})", done.stdout)
+    return seconds, steps, {int(step): numbers(text) for step, text in evals}
 
 
-def untimed(status):
-    """A logged status without its timing/... entries."""
-    return re.sub(r"'timing/[^']*': [^,}]+(, )?", "", status)
+def numbers(status):
+    """A logged status (a dict's text, whose floats may be nan) as {key: the number's text}. 0.10.1 also logs each
+    phase's seconds (timing/...), which no two runs share, and orders the keys as its actors answer: the timings
+    are left out, and dicts compare whatever their order."""
+    found = re.findall(r"'([^']+)': ([^,}]+)", status)
+    return {key: text for key, text in found if not key.startswith("timing/")}
 
 
 def value(status, key):
-    """One number of a logged status (a dict's text, whose floats may be nan)."""
-    return float(re.search(rf"'{re.escape(key)}': ([^,}}]+)", status).group(1))
+    return float(status[key])
+
+
+def same_files(folder, other):
+    """Whether two checkpoint folders hold the same tensors, to the bit, in every .pt file (DeepSpeed's model
+    states, each rank's optimizer shard with its fp32 master weights and Adam moments, each rank's generators)."""
+    import torch
+
+    def tensors(x, prefix=""):
+        if isinstance(x, dict):
+            return {k: v for key, item in x.items() for k, v in tensors(item, f"{prefix}/{key}").items()}
+        if isinstance(x, (list, tuple)):
+            return {k: v for i, item in enumerate(x) for k, v in tensors(item, f"{prefix}/{i}").items()}
+        return {prefix: x} if torch.is_tensor(x) else {}
+
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
+        a, b = (
+            tensors(torch.load(os.path.join(f, name), map_location="cpu", weights_only=False)) for f in (folder, other)
+        )
+        if a.keys() != b.keys() or not all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a):
+            return False
+    return True
+
+
+def bf16_ulps(weights, other):
+    """The largest difference between two state dicts' weights in units of bfloat16's spacing at the first's value
+    (the last of its 8 significant bits): 1.0 is one rounding step of a bfloat16 weight."""
+    import torch
+
+    worst = 0.0
+    for k, a in weights.items():
+        a, b = a.float(), other[k].float()
+        spacing = torch.pow(2.0, torch.floor(torch.log2(a.abs().clamp_min(2.0**-126))) - 7)
+        worst = max(worst, ((a - b).abs() / spacing).max().item())
+    return worst
 
 
 def resume(row, stage, work, site, pretrain, reward, source, name):
@@ -222,15 +265,35 @@ def check(row, stage, work, site, pretrain, reward):
                     best[f"{model[1:]}/{tag}"] = json.load(f)["metric"]
     _, again, _ = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
     assert sorted(again) == list(range(RESUME_AT + 1, STEPS + 1)), f"resumed steps logged: {sorted(again)}"
-    same_steps = all(again[s] == full[s] for s in again)  # every logged number, to the bit
+    # 0.10.1's critic logs the mean of get_grad_norm over its micro-steps, and on a micro-step that ends no
+    # optimizer step that is the previous step's norm: DeepSpeed keeps it in the engine, not in a checkpoint, so the
+    # first micro-step after a resume reads 0.0 (with OpenRLHF's own strategy too). That one number of the first
+    # resumed step is set aside here, and shown in the table.
+    first = RESUME_AT + 1
+    carried = {"critic_grad_norm": (full[first].get("critic_grad_norm"), again[first].get("critic_grad_norm"))}
+    if RELEASE == "0.8.5" or carried["critic_grad_norm"][0] is None:
+        carried = {}
+    again[first] = {k: v for k, v in again[first].items() if k not in carried}
+    same_steps = all(again[s] == {k: v for k, v in full[s].items() if s != first or k not in carried} for s in again)
+    first_step_same = again[first] == {k: v for k, v in full[first].items() if k not in carried}
+    # The checkpoints the first resumed step saved, against the full run's, file by file, to the bit.
+    tag = f"global_step{RESUME_AT + 1}"
+    same_checkpoint = all(
+        same_files(
+            os.path.join(work, name, "ckpt", model, tag), os.path.join(work, f"{name}_resumed", "ckpt", model, tag)
+        )
+        for model in ("_actor", "_critic")
+        if os.path.isdir(os.path.join(work, name, "ckpt", model))
+    )
     final = run.saved_weights(os.path.join(work, name, "final"))
-    resume_diff = run.max_abs_diff(final, run.saved_weights(os.path.join(work, f"{name}_resumed", "final")))
+    resumed_final = run.saved_weights(os.path.join(work, f"{name}_resumed", "final"))
+    resume_diff, resume_ulps = run.max_abs_diff(final, resumed_final), bf16_ulps(final, resumed_final)
     loaded, info = AutoModelForCausalLM.from_pretrained(os.path.join(work, name, "final"), output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     # In float32: 0.10.1 saves bfloat16 weights, which from_pretrained may load in another dtype (exactly).
     weights = loaded.state_dict()
     equal = all(torch.equal(weights[k].float(), v.float()) for k, v in final.items() if k in weights)
-    key = "critic_loss" if row == "gae" else "policy_loss"
+    key = "critic_loss" if row.startswith("gae") else "policy_loss"
     metric = "eval_default_pass1"  # 0.10.1's pass@1 on the evaluation set (datasource "default"): the mean reward
     return dict(
         best=best,
@@ -242,7 +305,11 @@ def check(row, stage, work, site, pretrain, reward):
         losses=[value(full[s], key) for s in sorted(full)],
         loss_name=key,
         same_steps=same_steps,
+        carried=carried,
+        first_step_same=first_step_same,
+        same_checkpoint=same_checkpoint,
         resume_diff=resume_diff,
+        resume_ulps=resume_ulps,
         loads=not problems and equal,
         problems=problems,
         seconds=seconds,
@@ -261,6 +328,24 @@ def launched():
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     finally:
         ray.shutdown()
+
+
+def resumed_steps(r):
+    """The resumed-steps cell of a row whose steps differ: which of them held (0.10.1)."""
+    if RELEASE == "0.8.5":
+        return "NO"
+    first = "step 3 equal" if r["first_step_same"] else "step 3 DIFFERS"
+    checkpoint = "its checkpoint equal" if r["same_checkpoint"] else "its checkpoint DIFFERS"
+    return f"{first}, {checkpoint}; step 4 differs"
+
+
+def carried(r):
+    """The critic_grad_norm set aside at the first resumed step (0.10.1's gae rows): full run's, resumed run's."""
+    return "".join(f" (but {k}: {a} vs {b}, README)" for k, (a, b) in r["carried"].items())
+
+
+def ulps(r):
+    return "" if RELEASE == "0.8.5" or r["resume_diff"] == 0 else f" ({r['resume_ulps']:.2g} bf16 steps)"
 
 
 def main(argv=None):
@@ -305,11 +390,22 @@ def main(argv=None):
             print(f"| {RELEASE} | {row} | {stage} | FAILED: {str(error).splitlines()[0]} | | | | | | | | |", flush=True)
             failed = True
             continue
-        exact = r["resume_diff"] == 0 or row == "ema"  # OpenRLHF does not checkpoint the EMA model
-        ok = r["checkpoints"] == STEPS and r["same_steps"] and exact and r["loads"]
-        if RELEASE == "0.10.1" and row == "reinforce":  # it evaluates: a best checkpoint carrying its metric
-            ok &= bool(r["best"]) and all(m and m["key"] == "eval_default_pass1" for m in r["best"].values())
-            ok &= all(r["best"][tag]["value"] == max(r["evals"].values()) for tag in r["best"])
+        if RELEASE == "0.8.5":  # generation in one synchronous call: the resumed steps are the full run's, exactly
+            exact = r["resume_diff"] == 0 or row == "ema"  # OpenRLHF does not checkpoint the EMA model
+            resumed = r["same_steps"] and exact
+        else:
+            # 0.10.1 collects each prompt's samples as its engine call finishes (ray.wait, samples_generator.py), so
+            # the order of a step's samples, and with it the micro-batches and the rounding of their bfloat16 sums,
+            # can differ between two launches. What the strategy restores is checked to the bit: the first resumed
+            # step logs every number the full run's did and saves the same checkpoint (weights, fp32 master
+            # weights, Adam moments, generators). The last step's weights are held to a few bfloat16 rounding steps.
+            resumed = r["first_step_same"] and r["same_checkpoint"] and r["resume_ulps"] <= 4
+        ok = r["checkpoints"] == STEPS and resumed and r["loads"]
+        if RELEASE == "0.10.1" and row in EVALUATED:  # a best checkpoint of each model, carrying the best metric
+            models = {"actor", "critic"} if row.startswith("gae") else {"actor"}
+            ok &= {tag.split("/")[0] for tag in r["best"]} == models
+            ok &= all(m and m["key"] == "eval_default_pass1" for m in r["best"].values())
+            ok &= all(m["value"] == max(r["evals"].values()) for m in r["best"].values())
         best = "; ".join(f"{tag}: {m['key']}={m['value']:.4f}" for tag, m in r["best"].items() if m) or "none"
         if RELEASE == "0.8.5":
             best = "(0.8.5 has none)"
@@ -319,7 +415,8 @@ def main(argv=None):
         print(
             f"| {RELEASE} | {row} | {stage} | {len(r['rewards'])} | {r['checkpoints']} | {best} | "
             f"{r['rewards'][0]:.4f} → {r['rewards'][-1]:.4f} | {r['loss_name']} {r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | "
-            f"{'yes' if r['same_steps'] else 'NO'} | {r['resume_diff']:.1e} | {'loads' if r['loads'] else r['problems']} | "
+            f"{'yes' if r['same_steps'] else resumed_steps(r)}{carried(r)} | {r['resume_diff']:.1e}{ulps(r)} | "
+            f"{'loads' if r['loads'] else r['problems']} | "
             f"{r['seconds']:.0f} |" + ("" if ok else " <- FAILED"),
             flush=True,
         )

@@ -795,12 +795,11 @@ class Checkpoints:
         if value is None:
             return None
         try:
-            number = None if isinstance(value, (bool, str, bytes)) else float(value)
+            number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
         except (TypeError, ValueError, RuntimeError, OverflowError):
-            number = None
-        if number is None or not math.isfinite(number):
-            return f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
-        return {"key": key, "value": number}
+            number = math.nan
+        refused = f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
+        return {"key": key, "value": number} if math.isfinite(number) else refused
 
     def _write_own_files(self, save_dir, tag, client_state):
         """Write this rank's files of the checkpoint into <tag>.saving; returns None, or what failed. DeepSpeed writes
@@ -996,11 +995,10 @@ class Checkpoints:
         folder, done = self._choose_checkpoint(load_dir, tag)
         if folder is None:
             # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
-            names = [DONE_FILE, model_states_file(0), model_states_file(3)]
             parent, tag = os.path.split(os.path.normpath(load_dir))
             why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
             problem = f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)"
-            seen = any(os.path.isfile(os.path.join(load_dir, name)) for name in names)
+            seen = self._holds(load_dir) is not None
             self._raise_on_every_rank(problem if seen else None, ValueError)  # on every rank, seen or not
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
@@ -1153,10 +1151,10 @@ class Checkpoints:
         """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
         model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits. None
         unless path holds DeepSpeed's files and none of save_ckpt's (not one of save_ckpt's that lost its record)."""
-        names = [name for name in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, name))]
-        if not names or os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0))):
+        if self._holds(path) != "plain":
             return None
-        states = torch.load(os.path.join(path, names[0]), map_location="cpu", mmap=True, weights_only=False)
+        name = next(n for n in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, n)))
+        states = torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=False)
         config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
         zero = config.get("zero_optimization", {})
         offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")

@@ -2574,6 +2574,7 @@ BENCHMARKS = {  # name: (its smallest setting, a line of its figures)
     "example_throughput": (["--stages", "0", "--dtypes", "fp32", "--steps", "2"], r"\n\s+0\s+[\d,]+\n"),
     "reshape_load": (["--layers", "1", "--width", "64", "--repeats", "1"], r"ZeRO 3 load / same-shape load = \d"),
     "save_cost": (["--layers", "1", "--width", "256", "--repeats", "2"], r"save_ckpt / engine.save_checkpoint: median"),
+    "first_command": (["--variants", "--max_steps 2 --eval_steps 1 --eval_batches 1"], r"\| 2 \| [\d,]+ \| \d+ \| \d"),
 }
 
 

@@ -576,6 +576,7 @@ def main(args):
             strategy.teardown()
             sys.exit(128 + stop)  # as a process killed by the signal exits, so the scheduler sees an early stop
     bar.close()
+    strategy.print(f"trained {last_step - start_step} steps in {time.perf_counter() - started:.1f} s")
 
     if last_step < args.max_steps:
         strategy.print(f"stopped at step {last_step} of {args.max_steps}; continue with --load_checkpoint")

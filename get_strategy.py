@@ -12,7 +12,7 @@ the deepspeed launcher):
     strategy = get_strategy(args)
     strategy.setup_distributed()
     optimizer = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # or None: DeepSpeed steps it
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # or None; prepare gives it to DeepSpeed
     model, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
     for batch in strategy.setup_dataloader(dataset, strategy.micro_train_batch_size):
         loss = loss_fn(model(batch))
@@ -726,6 +726,17 @@ REPLACED = ".replaced"  # an older <tag> while the new one takes its name
 LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
 
 
+def training_optimizer(engine):
+    """The engine's optimizer; None in an eval engine (prepare(model)), which at ZeRO 3 holds DeepSpeed's weight
+    gatherer, DeepSpeedZeRoOffload, in its place."""
+    return None if type(engine.optimizer).__name__ == "DeepSpeedZeRoOffload" else engine.optimizer
+
+
+def model_states_file(stage: int) -> str:
+    """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
+    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
 class Checkpoints:
     """What a run writes to disk and reads back for one model (an engine, an Actor or a plain module): its
     checkpoints (save, load) and its full weights (save_model, load_model). The strategy's save_ckpt, load_ckpt,
@@ -774,15 +785,12 @@ class Checkpoints:
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
         problem = self._first_of_ranks(self._write_own_files(save_dir, tag, client_state or {}))
         if problem is None and self.rank == 0:  # one writer for every shared file
-            try:
-                self._commit_checkpoint(save_dir, tag, save_latest, metric)
-            except OSError as error:
-                problem = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
+            problem = self._commit_checkpoint(save_dir, tag, save_latest, metric)
         problem = self._first_of_ranks(problem)
         if problem:  # give the space back, so that the next save or a restart can succeed
             shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
-            raise RuntimeError(f"{problem}; the checkpoint before it is unchanged")
+            raise RuntimeError(problem)
         if self.rank == 0:  # the new checkpoint is committed: a failure from here on loses nothing
             try:
                 self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
@@ -800,6 +808,50 @@ class Checkpoints:
             number = math.nan
         refused = f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
         return {"key": key, "value": number} if math.isfinite(number) else refused
+
+    def _first_of_ranks(self, value):
+        """The first rank's value that is not empty (a problem, a list of candidates), as every rank sees it, or
+        None when every rank's is empty."""
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return next((v for v in values if v), None)
+
+    def _raise_on_every_rank(self, problem, error_type) -> None:
+        """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
+        found = self._first_of_ranks(problem)
+        if found:
+            raise error_type(found)
+
+    def _space_problem(self, save_dir):
+        """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
+        newest complete checkpoint, which the next one will roughly match."""
+        complete = self._complete_checkpoints(save_dir)
+        if not complete:
+            return None
+        sizes = [self._folder_bytes(os.path.join(save_dir, name)) for name in complete]
+        need, free = sizes[-1], shutil.disk_usage(save_dir).free
+        if free >= need:
+            return None
+        # Rotation deletes old checkpoints only after the new one is committed, so the disk must hold one more.
+        room = free + sum(sizes) - need  # for the checkpoints kept while the next one is written
+        keep = f"max_num={room // need} or max_mem={room / 2**30:.2f}" if room >= need else "a larger disk"
+        why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
+        fix = f"rotation deletes only after a save, so free space by hand (and from then on keep fewer: {keep})"
+        return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
+
+    def _complete_checkpoints(self, save_dir: str) -> list:
+        """The complete checkpoints in save_dir, oldest first (by when they were completed). A save over a tag that
+        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count while
+        <tag> itself is not complete (once it is, they are superseded copies)."""
+        names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
+        done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
+        complete = [n for n, path in done.items() if os.path.isfile(path)]
+        base = {n: n.removesuffix(STAGING).removesuffix(REPLACED) for n in complete}
+        complete = [n for n in complete if base[n] == n or base[n] not in complete]
+        return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
+
+    def _folder_bytes(self, path: str) -> int:
+        return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
     def _write_own_files(self, save_dir, tag, client_state):
         """Write this rank's files of the checkpoint into <tag>.saving; returns None, or what failed. DeepSpeed writes
@@ -844,29 +896,56 @@ class Checkpoints:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
             why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
-        return f"save_ckpt failed on rank {self.rank} ({socket.gethostname()}) writing {path}: {error}; {why}"
+        where = f"on rank {self.rank} ({socket.gethostname()}) writing {path}"
+        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged"
 
-    def _space_problem(self, save_dir):
-        """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
-        newest complete checkpoint, which the next one will roughly match."""
-        complete = self._complete_checkpoints(save_dir)
-        if not complete:
-            return None
-        sizes = [self._folder_bytes(os.path.join(save_dir, name)) for name in complete]
-        need, free = sizes[-1], shutil.disk_usage(save_dir).free
-        if free >= need:
-            return None
-        # Rotation deletes old checkpoints only after the new one is committed, so the disk must hold one more.
-        room = free + sum(sizes) - need  # for the checkpoints kept while the next one is written
-        keep = f"max_num={room // need} or max_mem={room / 2**30:.2f}" if room >= need else "a larger disk"
-        why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
-        fix = f"rotation cannot make room, since it deletes only after a save: free space, or keep fewer ({keep})"
-        return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
+    def _get_rng_states(self) -> dict:
+        # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
+        states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+        if get_accelerator().device_name() != "cpu":
+            states["device"] = get_accelerator().get_rng_state()
+        return states
+
+    def _fsync(self, path) -> None:
+        """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _commit_checkpoint(self, save_dir, tag, save_latest, metric):
+        """On rank 0: write the record into <tag>.saving, rename it to <tag>, then point latest at it. Returns None,
+        or what failed: before the rename nothing has changed; after it the new checkpoint is complete."""
         folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
-        # The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
-        # ZeRO 0 checkpoint keys Adam's state by position alone), and every file's size.
+        replaced = folder + REPLACED if os.path.exists(folder) else None  # over a tag: the old one stays complete
+        try:
+            record = json.dumps(self._record(staging, metric), indent=1)
+            self._write_atomically(os.path.join(staging, DONE_FILE), record)
+            if replaced:
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(folder, replaced)
+            os.rename(staging, folder)
+        except OSError as error:
+            if replaced and os.path.isdir(replaced) and not os.path.exists(folder):
+                os.rename(replaced, folder)  # the old checkpoint back under its tag
+            why = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
+            return f"{why}; the checkpoint before it is unchanged"
+        try:  # committed: whatever fails now, the new checkpoint is complete under its tag
+            self._fsync(save_dir)  # the rename, too, survives a power cut
+            if save_latest:
+                self._write_atomically(os.path.join(save_dir, LATEST), tag)
+            shutil.rmtree(folder + REPLACED, ignore_errors=True)
+        except OSError as error:
+            why = f"save_ckpt saved {tag} in {save_dir}, but then rank 0 failed: {error}"
+            return f"{why}; {LATEST} may name an older one"
+        return None
+
+    def _record(self, staging, metric) -> dict:
+        """The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
+        ZeRO 0 checkpoint keys Adam's state by position alone), the metric, every file's size and contents."""
         done = self._run_shape()
         done["tensors"] = self._tensor_shapes(self.module)
         done["groups"] = getattr(self.engine, "param_group_names", None)
@@ -875,15 +954,7 @@ class Checkpoints:
         # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
         done["contents"] = {name: self._records_digest(os.path.join(staging, name)) for name in done["files"]}
         done["crc"] = self._record_crc(done)  # the record's own, so a damaged record is told from a missing one
-        self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(done, indent=1))
-        if os.path.exists(folder):  # saving over a tag: keep the old folder complete until the new one is in place
-            shutil.rmtree(folder + REPLACED, ignore_errors=True)
-            os.rename(folder, folder + REPLACED)
-        os.rename(staging, folder)
-        self._fsync(save_dir)  # the rename, too, survives a power cut
-        if save_latest:
-            self._write_atomically(os.path.join(save_dir, LATEST), tag)
-        shutil.rmtree(folder + REPLACED, ignore_errors=True)
+        return done
 
     def _run_shape(self) -> dict:
         """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all of it unchanged (the
@@ -898,6 +969,27 @@ class Checkpoints:
         saved = module.state_dict().keys()
         shapes.update((name, list(b.shape)) for name, b in module.named_buffers() if name in saved)
         return shapes
+
+    def _records_digest(self, path) -> int:
+        """The CRC of a zip file's list of records and their CRCs, read from its central directory alone."""
+        with zipfile.ZipFile(path) as archive:
+            return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
+
+    def _record_crc(self, done) -> int:
+        return zlib.crc32(json.dumps(done, sort_keys=True).encode())
+
+    def _write_atomically(self, path: str, text: str) -> None:
+        # mkstemp picks a name no other process can have picked; one made from the pid could clash, since pids
+        # repeat across containers and nodes.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
+        umask = os.umask(0)  # mkstemp's file is its owner's alone: give it the mode any new file gets here
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        self._fsync(tmp)
+        os.replace(tmp, path)
+        self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
         """After a commit: delete the older best checkpoints if keep is a best one, then the checkpoints over
@@ -933,6 +1025,13 @@ class Checkpoints:
                 if not os.path.isfile(os.path.join(path, DONE_FILE)) and os.path.getmtime(path) < newest:
                     shutil.rmtree(path)
 
+    def _read_latest(self, save_dir: str):
+        try:
+            with open(os.path.join(save_dir, LATEST)) as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
+
     def _holds(self, folder):
         """What a folder holds: "complete", a checkpoint of this file (with its record); "plain", a plain DeepSpeed
         checkpoint (its model states and none of this file's files, as OpenRLHF's own strategy writes);
@@ -947,12 +1046,6 @@ class Checkpoints:
         """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
         names = [DONE_FILE, model_states_file(0), model_states_file(3)]
         return next(os.path.getmtime(p) for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p))
-
-    def _delete_checkpoint(self, save_dir, name) -> None:
-        record = os.path.join(save_dir, name, DONE_FILE)
-        if os.path.isfile(record):
-            os.remove(record)  # first: a half-deleted folder is not complete
-        shutil.rmtree(os.path.join(save_dir, name))
 
     def _saved_metric(self, folder):
         """The metric_value a checkpoint was saved with, or None: from its record, or from OpenRLHF's metric.json
@@ -969,6 +1062,15 @@ class Checkpoints:
             return None
         return value if math.isfinite(value) else None
 
+    def _delete_checkpoint(self, save_dir, name) -> None:
+        record = os.path.join(save_dir, name, DONE_FILE)
+        if os.path.isfile(record):
+            os.remove(record)  # first: a half-deleted folder is not complete
+        shutil.rmtree(os.path.join(save_dir, name))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Loading
+
     def load(
         self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
     ):
@@ -976,8 +1078,8 @@ class Checkpoints:
         client_state), or (None, {}) when load_dir holds no checkpoint at all (a run that starts afresh). All ranks
         must call it. In order:
         1. Choose: with tag None latest's checkpoint, or if that fails the newest one that passes, saying so; a
-           named tag that fails raises on every rank. Every candidate's files are checked first, on every rank:
-           sizes, contents and the CRCs of their records, the work spread over the ranks.
+           named tag that fails raises on every rank. A candidate's files are checked before it is taken, on every
+           rank: sizes, contents and the CRCs of their records, the work spread over the ranks.
         2. Check the model: another model (names or shapes) is refused while load_module_strict holds; without it,
            the tensors that match by name and shape load, the rest keep their values, and rank 0 lists both.
         3. Load: DeepSpeed's own load where the engine trains in the saving run's shape (bit-exact), else the
@@ -1059,28 +1161,6 @@ class Checkpoints:
             self.strategy.set_seed(self.strategy.seed + 1000 * engine.global_steps + self.rank)
         return load_path, client_state
 
-    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only, order):
-        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
-        (not with load_module_only). The scheduler's lists of one entry per optimizer group (LambdaLR's base_lrs,
-        ...) are put in this run's group order (order: each group's saved index, or None to keep this run's).
-        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the entries of
-        DeepSpeed's own that its load leaves there too (ds_config, ...)."""
-        if not load_module_only:
-            if load_lr_scheduler_states and engine.lr_scheduler is not None:
-                scheduler, now = dict(states["lr_scheduler"]), engine.lr_scheduler.state_dict()
-                for key, saved in scheduler.items():  # not _schedulers: SequentialLR's list is one per scheduler
-                    per_group = isinstance(saved, list) and len(saved) == len(engine.param_group_names)
-                    if order and per_group and key != "_schedulers":
-                        mine = now.get(key, saved)
-                        scheduler[key] = [mine[i] if j is None else saved[j] for i, j in enumerate(order)]
-                engine.lr_scheduler.load_state_dict(scheduler)
-            engine.global_steps = states["global_steps"]
-            engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
-            engine.skipped_steps = states["skipped_steps"]
-        deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
-        for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
-            states.pop(key, None)
-
     def _choose_checkpoint(self, load_dir, tag):
         """(folder, record) of the checkpoint to load, checked on every rank, or (None, None) if tag is None and
         load_dir holds none. With tag None: the one latest names, else the newest that passes; a named tag that
@@ -1139,14 +1219,6 @@ class Checkpoints:
         crc = done.pop("crc", None)
         return done if crc in (None, self._record_crc(done)) else None
 
-    def _record_crc(self, done) -> int:
-        return zlib.crc32(json.dumps(done, sort_keys=True).encode())
-
-    def _records_digest(self, path) -> int:
-        """The CRC of a zip file's list of records and their CRCs, read from its central directory alone."""
-        with zipfile.ZipFile(path) as archive:
-            return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
-
     def _plain_deepspeed_record(self, path):
         """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
         model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits. None
@@ -1163,19 +1235,6 @@ class Checkpoints:
         shape = dict(world_size=states["dp_world_size"], zero_stage=zero.get("stage", 0), bf16=bf16)
         groups = [list(shapes) for shapes in states.get("param_shapes") or []]  # at ZeRO 1-3: names, per group
         return dict(shape, adam_offload=offload, grad_accum_dtype=accumulate, unverified=True, plain_groups=groups)
-
-    def _grouped_otherwise(self, saved):
-        """Whether a plain checkpoint's optimizer groups (saved: the names of each, which ZeRO 3 may have cut into
-        consecutive sub-groups; none at ZeRO 0) hold other parameters than this engine's."""
-        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
-        rest = list(saved)
-        for names in self.engine.param_group_names if saved else []:
-            taken = set()
-            while rest and len(taken) < len(trained.intersection(names)):
-                taken.update(rest.pop(0))
-            if taken != trained.intersection(names):
-                return True
-        return bool(rest)
 
     def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
@@ -1213,19 +1272,6 @@ class Checkpoints:
                 return f"{name} is damaged ({error})"
         return None
 
-    def _first_of_ranks(self, value):
-        """The first rank's value that is not empty (a problem, a list of candidates), as every rank sees it, or
-        None when every rank's is empty."""
-        values = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-        return next((v for v in values if v), None)
-
-    def _raise_on_every_rank(self, problem, error_type) -> None:
-        """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
-        found = self._first_of_ranks(problem)
-        if found:
-            raise error_type(found)
-
     def _model_mismatch(self, saved, here, ckpt_dir):
         """Why the checkpoint's tensors ({name: shape}) are another model's than here (its first differing names
         and shapes), else None."""
@@ -1235,17 +1281,42 @@ class Checkpoints:
         shown = [f"{n}: saved {saved.get(n, 'absent')}, here {here.get(n, 'absent')}" for n in differing[:3]]
         return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({', '.join(shown)})"
 
-    # ---------------------------------------------------------------------------------------------------------
-    # Checkpoint files: the random generators' states, and writing, syncing and finding checkpoint files
+    def _grouped_otherwise(self, saved):
+        """Whether a plain checkpoint's optimizer groups (saved: the names of each, which ZeRO 3 may have cut into
+        consecutive sub-groups; none at ZeRO 0) hold other parameters than this engine's."""
+        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        rest = list(saved)
+        if not saved:  # ZeRO 0 saves no names
+            return False
+        for names in self.engine.param_group_names:
+            taken = set()
+            while rest and len(taken) < len(trained.intersection(names)):
+                taken.update(rest.pop(0))
+            if taken != trained.intersection(names):
+                return True
+        return bool(rest)
 
-    def _get_rng_states(self) -> dict:
-        # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
-        states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-        if get_accelerator().device_name() != "cpu":
-            states["device"] = get_accelerator().get_rng_state()
-        return states
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only, order):
+        """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
+        (not with load_module_only). The scheduler's lists of one entry per optimizer group (LambdaLR's base_lrs,
+        ...) are put in this run's group order (order: each group's saved index, or None to keep this run's).
+        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the entries of
+        DeepSpeed's own that its load leaves there too (ds_config, ...)."""
+        if not load_module_only:
+            if load_lr_scheduler_states and engine.lr_scheduler is not None:
+                scheduler, now = dict(states["lr_scheduler"]), engine.lr_scheduler.state_dict()
+                for key, saved in scheduler.items():  # not _schedulers: SequentialLR's list is one per scheduler
+                    per_group = isinstance(saved, list) and len(saved) == len(engine.param_group_names)
+                    if order and per_group and key != "_schedulers":
+                        mine = now.get(key, saved)
+                        scheduler[key] = [mine[i] if j is None else saved[j] for i, j in enumerate(order)]
+                engine.lr_scheduler.load_state_dict(scheduler)
+            engine.global_steps = states["global_steps"]
+            engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+            engine.skipped_steps = states["skipped_steps"]
+        deepspeed_keys = ["module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size"]
+        for key in deepspeed_keys + ["mp_world_size", "data_sampler", "random_ltd"]:
+            states.pop(key, None)
 
     def _set_rng_states(self, states: dict) -> None:
         random.setstate(states["python"])
@@ -1253,45 +1324,6 @@ class Checkpoints:
         numpy.random.set_state(states["numpy"])  # numpy takes the generator's keys as a list too
         if "device" in states:
             get_accelerator().set_rng_state(states["device"])
-
-    def _write_atomically(self, path: str, text: str) -> None:
-        # mkstemp picks a name no other process can have picked; one made from the pid could clash, since pids
-        # repeat across containers and nodes.
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        self._fsync(tmp)
-        os.replace(tmp, path)
-        self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
-
-    def _fsync(self, path) -> None:
-        """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _folder_bytes(self, path: str) -> int:
-        return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
-
-    def _complete_checkpoints(self, save_dir: str) -> list:
-        """The complete checkpoints in save_dir, oldest first (by when they were completed). A save over a tag that
-        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count while
-        <tag> itself is not complete (once it is, they are superseded copies)."""
-        names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
-        done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
-        complete = [n for n, path in done.items() if os.path.isfile(path)]
-        base = {n: n.removesuffix(STAGING).removesuffix(REPLACED) for n in complete}
-        complete = [n for n in complete if base[n] == n or base[n] not in complete]
-        return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
-
-    def _read_latest(self, save_dir: str):
-        try:
-            with open(os.path.join(save_dir, LATEST)) as f:
-                return f.read().strip()
-        except FileNotFoundError:
-            return None
 
     # ---------------------------------------------------------------------------------------------------------
     # Model weights: save_model writes the full weights for use outside training, load_model reads them back
@@ -1426,8 +1458,8 @@ class Checkpoints:
 #   FP16_UnfusedOptimizer            ZeRO 0, bf16                               fp16_groups, fp32_groups
 #   DeepSpeedZeroOptimizer           ZeRO 1 and 2, but for the next row         bit16_groups,
 #                                                                               single_partition_of_fp32_groups
-#   BF16_Optimizer                   ZeRO 1, bf16, grad_accum_dtype fp32        bf16_groups,
-#                                                                               fp32_groups_flat_partition
+#   BF16_Optimizer                   ZeRO 1, bf16, grad_accum_dtype fp32,       bf16_groups,
+#                                    no adam_offload                            fp32_groups_flat_partition
 #   DeepSpeedZeroOptimizer_Stage3    ZeRO 3                                     fp16_groups,
 #                                                                               fp32_partitioned_groups_flat
 #   none (an eval engine)            prepare(model)                             the weights alone
@@ -1535,8 +1567,9 @@ class ReshapingReader:
     def verify(self, loadable: set, optimizer_states: bool):
         """What DeepSpeed's public getters read back otherwise than the checkpoint holds, or None (collective). The
         reader writes into DeepSpeed's private layouts, which a newer DeepSpeed may change: each group's first and
-        last trained parameter, its fp32 master and (with optimizer_states) Adam's moments, are read back through
-        safe_get_full_fp32_param and safe_get_full_optimizer_state (at ZeRO 0 torch's optimizer has no getter)."""
+        last parameter (those of them that train and were loaded), its fp32 master and (with optimizer_states) Adam's
+        moments, are read back through safe_get_full_fp32_param and safe_get_full_optimizer_state (at ZeRO 0 torch's
+        optimizer has no getter)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self.optimizer is None:  # an eval engine: its weights alone, no masters
@@ -1550,7 +1583,8 @@ class ReshapingReader:
         for name in [n for n in dict.fromkeys(ends) if n in trained and n in loadable]:
             param = params[name]
             read_back = {"value": safe_get_full_fp32_param(param)}
-            for key in MOMENTS if optimizer_states else ():
+            keys = MOMENTS if optimizer_states else ()  # the fp32 master, and with the optimizer's state Adam's moments
+            for key in keys:
                 read_back[key] = safe_get_full_optimizer_state(param, key)
             for key, got in read_back.items():
                 if got is None or (name, key) not in self.saved.pieces:
@@ -1634,8 +1668,8 @@ class ReshapingReader:
             groups = self.read_zero12()
         else:
             groups = self.read_zero3(model_states["param_shapes"])
-        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies in the
-        # module, or at ZeRO 3 among the frozen fragments read_zero3 read, like the buffers.
+        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
+        # the module, at ZeRO 3 in the frozen fragments read_zero3 read; buffers lie whole in the module at every stage.
         for name in tensors:
             if (name, "value") not in self.pieces and (stage < 3 or name in model_states["buffer_names"]):
                 self.add(name, "value", 0, model_states["module"][name])
@@ -1714,17 +1748,6 @@ class ReshapingReader:
                 start, length, _ = zero3_slice(math.prod(tensors[name]), world_size, rank)
                 self.add(name, "value", start, fragment, 0, length)
         return torch_state["param_groups"]
-
-
-def training_optimizer(engine):
-    """The engine's optimizer; None in an eval engine (prepare(model)), which at ZeRO 3 holds DeepSpeed's weight
-    gatherer, DeepSpeedZeRoOffload, in its place."""
-    return None if type(engine.optimizer).__name__ == "DeepSpeedZeRoOffload" else engine.optimizer
-
-
-def model_states_file(stage: int) -> str:
-    """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
-    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
 # A worked example: a parameter of 131,584 elements saved by 4 ranks at ZeRO 3 and resumed by 3 ranks at ZeRO 2.

@@ -124,7 +124,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from get_strategy import Checkpoints, DeepspeedStrategy, get_strategy
+from get_strategy import DONE_FILE, Checkpoints, DeepspeedStrategy, get_strategy
 from get_strategy import _free_port as free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -994,7 +994,28 @@ def one_rank_loads(tmp_path_factory):
         engine, optimizer, _ = grouped_by_name(999)
         strategy.load_ckpt(engine, plain)
         results["plain_same_groups"] = optimizer_snapshot(engine)
+        # A failure after the commit's rename: latest cannot be written (a folder stands in its place).
+        after = out / "after_commit"
+        (after / "latest").mkdir(parents=True)
+        results["after_commit"] = error_of(strategy.save_ckpt, engine, str(after))
+        results["after_commit_folders"] = sorted(os.listdir(after))
+        modes = {name: os.stat(os.path.join(tags, name)).st_mode & 0o777 for name in ("latest", "7/" + DONE_FILE)}
+        with open(out / "plain_file", "w"):
+            pass
+        results["modes"], results["plain_mode"] = modes, os.stat(out / "plain_file").st_mode & 0o777
     return results
+
+
+def test_a_failure_after_the_commit_says_the_new_checkpoint_is_saved_and_leaves_it_complete(one_rank_loads):
+    error = one_rank_loads["after_commit"]
+    assert error.startswith("RuntimeError: save_ckpt saved global_step2 in "), error
+    assert "latest may name an older one" in error and "unchanged" not in error
+    assert one_rank_loads["after_commit_folders"] == ["global_step2", "latest"]  # complete, nothing left staging
+
+
+def test_latest_and_the_record_are_as_readable_as_any_file_this_process_writes(one_rank_loads):
+    """mkstemp makes its files readable by their owner alone: another user sharing save_dir could not resume."""
+    assert one_rank_loads["modes"] == dict.fromkeys(("latest", "7/" + DONE_FILE), one_rank_loads["plain_mode"])
 
 
 def test_a_plain_deepspeed_checkpoint_resumes_in_its_own_grouping_and_another_grouping_is_refused_naming_both(
@@ -3054,7 +3075,7 @@ def test_a_save_the_free_space_cannot_hold_is_refused_before_writing_with_the_fi
         refused = result["refused"]
         assert refused["error"].startswith("RuntimeError: save_ckpt refused before writing: "), refused["error"]
         assert "MiB free, and the next checkpoint needs about" in refused["error"], refused["error"]
-        assert "rotation cannot make room" in refused["error"], refused["error"]
+        assert "rotation deletes only after a save, so free space by hand" in refused["error"], refused["error"]
         assert checkpoints(refused["left"]) == ["global_step1", "latest"]
         assert refused["free_after"] == refused["free_before"]  # nothing was written
         assert checkpoints(result["after_freeing"]) == ["global_step1", "global_step2", "latest"]

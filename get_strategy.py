@@ -2,9 +2,8 @@
 training step, collectives, data loading and checkpoints that resume exactly, also in another run shape.
 
 It imports only the standard library, torch, deepspeed and NumPy (which DeepSpeed requires), so you can copy it
-into your own trainer. Its methods are OpenRLHF's DeepspeedStrategy's, up to 0.10.1 (the last release with flat
-flags): OpenRLHF's trainers run on it with their import lines changed (README, "OpenRLHF"). This file's own release
-is __version__, below: a vendored copy keeps saying which one it is.
+into your own trainer; __version__ below names its release. Its methods are OpenRLHF's DeepspeedStrategy's, up to
+0.10.1 (the last release with flat flags): OpenRLHF's trainers run on it with their import lines changed.
 
 Use it in a training script, with args from your argparse parser (it needs --zero_stage, and --local_rank under
 the deepspeed launcher):
@@ -561,7 +560,7 @@ class DeepspeedStrategy:
         metric_key=None,
     ) -> None:
         """Save a checkpoint that resumes exactly, in save_dir/tag (default global_step<N>), keeping at most max_num
-        checkpoints and max_mem GiB. All ranks must call it. Checkpoints.save says what is kept and what it costs."""
+        checkpoints and max_mem GiB. All ranks call it (Checkpoints.save: what is kept, and what a failure leaves)."""
         options = (max_num, max_mem, client_state, save_latest, metric_value, metric_key)
         Checkpoints(self, model).save(save_dir, tag, *options)
 
@@ -576,7 +575,8 @@ class DeepspeedStrategy:
         load_module_only=False,
     ):
         """Resume load_dir's newest checkpoint (or tag) in this run's shape, whatever the saving run's; returns
-        (load_path, client_state), or (None, {}) where load_dir holds none. All ranks call it (Checkpoints.load)."""
+        (load_path, client_state), or (None, {}) where load_dir holds none. All ranks call it (Checkpoints.load).
+        Load only checkpoints you trust: DeepSpeed unpickles its files, so a crafted one runs code as it loads."""
         options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return Checkpoints(self, model).load(load_dir, tag, *options)
 
@@ -628,9 +628,8 @@ class DeepspeedStrategy:
         whole epoch or more leaves it empty); each later pass is the next epoch. The sampler and the loader are the
         classes just below: loader.sampler.set_epoch(epoch, consumed_samples) starts an epoch part-way, as a resume
         past epoch 0 needs, and loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs. num_workers > 0
-        loads in that many processes, in the same order; but a dataset that draws random numbers itself
-        (augmentation, random truncation) draws others after a resume with workers, since torch seeds them once per
-        pass and sends batch i to worker i % num_workers: keep num_workers=0 where such a resume must be exact."""
+        loads in that many processes, in the same order; but a dataset drawing random numbers itself (augmentation)
+        draws others after a resume with workers, which torch seeds once per pass: there keep num_workers=0."""
         if sampler is None:
             # The process group's shard, even where this strategy has not joined it yet. Without a group (PPO's
             # driver builds its prompts loader before any) a world of one: all the dataset, shuffled by seed and epoch.

@@ -1601,6 +1601,15 @@ def test_a_rotation_that_fails_after_the_commit_keeps_the_new_checkpoint_and_say
 
 
 @pytest.mark.full
+def test_a_metric_value_that_is_nan_on_one_rank_is_refused_on_every_rank_before_anything_is_written(core_run):
+    for got in case(core_run, "checkpoint_rules"):
+        assert (
+            got["nan_error"] == "ValueError: save_ckpt metric_value nan must be a finite number, or None for no metric"
+        )
+        assert got["nan_seconds"] < 30 and not got["nan_dir_made"], got
+
+
+@pytest.mark.full
 def test_a_crashed_saves_staging_folder_goes_with_the_next_successful_save(core_run):
     got = case(core_run, "checkpoint_rules")[0]
     assert got["stale"] == [["global_step1", "global_step3"]]
@@ -3719,6 +3728,11 @@ def worker_checkpoint_rules(results, rank, out_dir):
     start = time.time()
     got["scripts_error"] = error_of(strategy.save_ckpt, engine, scripts)
     got["scripts_seconds"], got["scripts"] = time.time() - start, listing(scripts)
+    # A metric that is NaN on rank 1 alone (its own evaluation diverged): every rank refuses, none waits.
+    start = time.time()
+    nan_dir = os.path.join(out_dir, "nan_on_one_rank")
+    got["nan_error"] = error_of(strategy.save_ckpt, engine, nan_dir, metric_value=float("nan") if rank else 0.5)
+    got["nan_seconds"], got["nan_dir_made"] = time.time() - start, os.path.exists(nan_dir)
     results["checkpoint_rules"] = got
 
 

@@ -12,7 +12,7 @@ It reports, per rank (the slower rank's time counts):
   during the ZeRO 3 load, less what the rank still holds after it (the first load creates the optimizer state
   that the first step would otherwise create), against the size of the largest parameter;
 - what checking every file's sizes and CRCs adds to a load: the load's time against the same load's time less
-  its check.
+  its check; and the time of the reader's read-back through DeepSpeed's public getters (ZeRO 3 only).
 """
 
 import argparse
@@ -56,7 +56,7 @@ def worker(args):
     import torch
 
     sys.path.insert(0, ROOT)
-    from get_strategy import get_strategy
+    from get_strategy import Checkpoints, ReshapingReader, get_strategy
 
     def build(stage):
         strategy = get_strategy(argparse.Namespace(zero_stage=stage, micro_train_batch_size=1, train_batch_size=2))
@@ -75,28 +75,34 @@ def worker(args):
     zero3_strategy, zero3 = build(3)
     engines = {"same shape (ZeRO 2, DeepSpeed's load)": (strategy, saving), "ZeRO 3": (zero3_strategy, zero3)}
     times = {name: [] for name in engines}
-    checks = []
+    checks, verifies = [], []
     memory = PeakMemory()
-    original_choose = type(strategy)._choose_checkpoint
 
-    def timed_choose(self, *a, **k):  # the check: sizes and CRCs of every file, spread over the ranks
-        started = time.perf_counter()
-        try:
-            return original_choose(self, *a, **k)
-        finally:
-            checks[-1] = time.perf_counter() - started
+    def timed(method, seconds):  # method, adding its time to seconds[-1]
+        def run(self, *a, **k):
+            started = time.perf_counter()
+            try:
+                return method(self, *a, **k)
+            finally:
+                seconds[-1] += time.perf_counter() - started
 
-    type(strategy)._choose_checkpoint = timed_choose
+        return run
+
+    # The check (sizes and CRCs of every file, spread over the ranks), and the reader's read-back through DeepSpeed's
+    # public getters after a load in another shape.
+    Checkpoints._choose_checkpoint = timed(Checkpoints._choose_checkpoint, checks)
+    ReshapingReader.verify = timed(ReshapingReader.verify, verifies)
     transient, kept = 0, []
     for repeat in range(args.repeats):
         for name, (s, engine) in engines.items():
             checks.append(0.0)
+            verifies.append(0.0)
             torch.distributed.barrier()
             if name == "ZeRO 3":
                 memory.start()
             started = time.perf_counter()
             s.load_ckpt(engine, args.dir)
-            times[name].append((time.perf_counter() - started, checks[-1]))
+            times[name].append((time.perf_counter() - started, checks[-1], verifies[-1]))
             if name == "ZeRO 3":
                 peak, held = memory.stop()
                 transient, kept = max(transient, peak - held), kept + [held]
@@ -104,12 +110,13 @@ def worker(args):
     largest = max(p.numel() for p in saving.module.parameters()) * 4
     lines = [f"rank {rank}: save {save_seconds:.1f} s"]
     for name, samples in times.items():
-        load = statistics.median(t for t, _ in samples)
-        check = statistics.median(c for _, c in samples)
+        load = statistics.median(t for t, _, _ in samples)
+        check = statistics.median(c for _, c, _ in samples)
+        verify = statistics.median(v for _, _, v in samples)
         ratio = load / (load - check)
         lines.append(f"rank {rank}: {name}: load {load:.2f} s, of which the check {check:.2f} s")
-        lines[-1] += f" (a load with the check takes {ratio:.2f}x one without)"
-    same, other = (statistics.median(t for t, _ in times[n]) for n in engines)
+        lines[-1] += f" (a load with the check takes {ratio:.2f}x one without) and the read-back {verify:.3f} s"
+    same, other = (statistics.median(t for t, _, _ in times[n]) for n in engines)
     lines.append(f"rank {rank}: ZeRO 3 load / same-shape load = {other / same:.2f}")
     kept_mib = [round(k / 2**20) for k in kept]
     lines.append(f"rank {rank}: ZeRO 3 load: RssAnon kept after each load {kept_mib} MiB; ")

@@ -998,7 +998,9 @@ def one_rank_loads(tmp_path_factory):
         after = out / "after_commit"
         (after / "latest").mkdir(parents=True)
         results["after_commit"] = error_of(strategy.save_ckpt, engine, str(after))
-        results["after_commit_folders"] = sorted(os.listdir(after))
+        names = [name for name in os.listdir(after) if not name.endswith(".py")]  # not DeepSpeed's scripts
+        results["after_commit_folders"] = sorted(names)
+        results["after_commit_complete"] = os.path.isfile(after / "global_step2" / DONE_FILE)
         modes = {name: os.stat(os.path.join(tags, name)).st_mode & 0o777 for name in ("latest", "7/" + DONE_FILE)}
         with open(out / "plain_file", "w"):
             pass
@@ -1010,7 +1012,8 @@ def test_a_failure_after_the_commit_says_the_new_checkpoint_is_saved_and_leaves_
     error = one_rank_loads["after_commit"]
     assert error.startswith("RuntimeError: save_ckpt saved global_step2 in "), error
     assert "latest may name an older one" in error and "unchanged" not in error
-    assert one_rank_loads["after_commit_folders"] == ["global_step2", "latest"]  # complete, nothing left staging
+    assert one_rank_loads["after_commit_folders"] == ["global_step2", "latest"]  # nothing left staging
+    assert one_rank_loads["after_commit_complete"]
 
 
 def test_latest_and_the_record_are_as_readable_as_any_file_this_process_writes(one_rank_loads):

@@ -576,7 +576,9 @@ def main(args):
             strategy.teardown()
             sys.exit(128 + stop)  # as a process killed by the signal exits, so the scheduler sees an early stop
     bar.close()
-    strategy.print(f"trained {last_step - start_step} steps in {time.perf_counter() - started:.1f} s")
+    seconds = time.perf_counter() - started
+    trained = (last_step - start_step) * tokens_per_step
+    strategy.print(f"trained {last_step - start_step} steps in {seconds:.1f} s ({trained / seconds:,.0f} tokens/s)")
 
     if last_step < args.max_steps:
         strategy.print(f"stopped at step {last_step} of {args.max_steps}; continue with --load_checkpoint")

@@ -5,9 +5,9 @@ process on a machine without a GPU), with the flags of each variant added: its t
     python benchmarks/first_command.py --variants "" "--micro_train_batch_size 32"
     python benchmarks/first_command.py --variants "--max_steps 2 --eval_steps 1 --eval_batches 1"   # seconds
 
-For each variant, one run: the training seconds the example prints (from its first step to its last, so start-up
-and the final evaluation are left out, the evaluations in between are in), its last logged tokens/s, the final
-held-out loss against the unigram baseline, and the whole command's wall-clock seconds.
+For each variant, one run: the training seconds and tokens/s the example prints (from its first step to its last,
+so start-up and the final evaluation are left out, the evaluations in between are in), the final held-out loss
+against the unigram baseline, and the whole command's wall-clock seconds.
 """
 
 import argparse
@@ -27,11 +27,10 @@ def run(variant: str) -> str:
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - started
     final = re.search(r"final held-out loss ([\d.]+) nats/byte; unigram baseline ([\d.]+)", done.stdout)
-    logged = re.findall(r"\| ([\d,]+) tokens/s", done.stdout)
-    trained = re.search(r"trained (\d+) steps in ([\d.]+) s", done.stdout)
-    if done.returncode != 0 or not (final and logged and trained):
+    trained = re.search(r"trained (\d+) steps in ([\d.]+) s \(([\d,]+) tokens/s\)", done.stdout)
+    if done.returncode != 0 or not (final and trained):
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}")
-    steps, seconds, tokens_per_s = int(trained.group(1)), float(trained.group(2)), logged[-1]
+    steps, seconds, tokens_per_s = int(trained.group(1)), float(trained.group(2)), trained.group(3)
     return (
         f"| `{variant or '(defaults)'}` | {steps} | {tokens_per_s} | {seconds:.0f} | {final.group(1)} "
         f"| {final.group(2)} | {wall:.0f} |"

@@ -984,10 +984,14 @@ class Checkpoints:
         umask = os.umask(0)  # mkstemp's file is its owner's alone: give it the mode any new file gets here
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        self._fsync(tmp)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            self._fsync(tmp)
+            os.replace(tmp, path)
+        except OSError:
+            os.remove(tmp)  # no half-written temporary file left behind
+            raise
         self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
 
     def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):

@@ -61,11 +61,15 @@ What the tests establish (two ranks over gloo unless noted):
   report; a layer frozen after a warm start and a frozen parameter a user's optimizer lists get the checkpoint's
   values; without load_module_strict what matches by name and shape loads and the rest keeps its values; eval
   engines at ZeRO 0 and 3 load the weights; a plain DeepSpeed checkpoint loads in its own shape and is refused in
-  another; amsgrad's state carries, and an optimizer without it is refused before anything changes; groups match by
+  another, and (one rank, quick tier) one whose optimizer groups hold other parameters is refused naming both
+  groupings, while the same grouping loads every master and moment; amsgrad's state carries, and an optimizer without it is refused before anything changes; groups match by
   name; a same-size file from another checkpoint and a damaged record are named.
 - Saves that fail: a file-size limit on rank 0, rank 1 or both, and a tmpfs that fills, make every rank raise within
   a second naming the rank and the file, leave no staging folder and the previous checkpoint loadable; a save the
-  free space cannot hold is refused before writing; the example stops with the reason and resumes. A crash at every
+  free space cannot hold is refused before writing; a metric_value that is NaN on one rank is refused on every rank;
+  a failure after the commit's rename says the new checkpoint is saved and leaves it complete, and latest and the
+  record are as readable as any file the process writes (one rank, quick tier); the example stops with the reason
+  and resumes. A crash at every
   file-system operation of three saves (traced with strace; a killed process and a power cut) leaves a state from
   which load_ckpt loads the checkpoint before or the one being saved.
 - Weights: save_model at ZeRO 3 writes gathered weights that load into a plain module, keeps every key of

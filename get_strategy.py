@@ -1287,15 +1287,15 @@ class Checkpoints:
     def _grouped_otherwise(self, saved):
         """Whether a plain checkpoint's optimizer groups (saved: the names of each, which ZeRO 3 may have cut into
         consecutive sub-groups; none at ZeRO 0) hold other parameters than this engine's."""
-        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
-        rest = list(saved)
         if not saved:  # ZeRO 0 saves no names
             return False
+        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        rest = list(saved)
         for names in self.engine.param_group_names:
-            taken = set()
-            while rest and len(taken) < len(trained.intersection(names)):
+            wanted, taken = trained.intersection(names), set()  # the names DeepSpeed saved for this group
+            while rest and len(taken) < len(wanted):
                 taken.update(rest.pop(0))
-            if taken != trained.intersection(names):
+            if taken != wanted:
                 return True
         return bool(rest)
 

@@ -18,7 +18,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["get_strategy.py", "test_get_strategy.py", "train_example.py", "pyproject.toml"]
+FILES = [
+    "get_strategy.py",
+    "test_get_strategy.py",
+    "train_example.py",
+    "pyproject.toml",
+    "requirements.txt",
+    "README.md",
+]
 
 # name: (the behaviour it breaks, the text in get_strategy.py, what replaces it)
 MUTANTS = {
@@ -90,7 +97,9 @@ def run_quick_tier(work: str) -> tuple:
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_get_strategy.py"]
     done = subprocess.run(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    failed = re.search(r"FAILED test_get_strategy\.py::(\S+)", done.stdout) or re.search(r"ERROR (\S+)", done.stdout)
+    failed = re.search(r"FAILED test_get_strategy\.py::(\S+)", done.stdout) or re.search(
+        r"ERROR (?:at \w+ of )?(\S+)", done.stdout
+    )
     if done.returncode not in (0, 1):
         failed = failed or re.search(r"(.*)$", done.stdout.strip())
     return time.perf_counter() - started, failed.group(1) if failed else None

@@ -21,8 +21,9 @@ The quick tier, the specification of the core, establishes:
   DeepSpeed checkpoint grouped otherwise is refused naming both groupings.
 - Saves that fail and damaged files: a write that fails on rank 0, rank 1 or both (a file-size limit) and a disk
   that fills (a tmpfs) make every rank raise within seconds naming the rank and the file, a save the free space
-  cannot hold is refused before writing, and each leaves the previous checkpoint loadable; a truncated file, a damaged zip structure and a bit flipped
-  in any kind of checkpoint file are named on every rank, and with no tag the next newest checkpoint resumes.
+  cannot hold is refused before writing, and each leaves the previous checkpoint loadable; a truncated file, a
+  damaged zip structure and a bit flipped in any kind of checkpoint file are named on every rank, and with no tag
+  the next newest checkpoint resumes.
 - Collectives match hand computation; the loader shards, skips consumed samples and, restored from a state taken
   at any point, yields what the uninterrupted one does; bad flags are refused before any process group, naming
   the flag; the example refuses bad flags before importing torch, and learns on 2 ranks.
@@ -676,7 +677,6 @@ def test_damage_to_the_zip_structure_of_a_file_is_named_by_the_crc_check_never_r
     compressed size in the central directory, or its local header's extra-field length. Each is named as damage
     (and load_ckpt falls back to an older checkpoint), not raised from zipfile (which would leave the other ranks
     waiting), whichever rank's share holds the record."""
-
     torch.save({f"t{i}": torch.randn(256) for i in range(3)}, tmp_path / "a.pt")
     data = (tmp_path / "a.pt").read_bytes()
     with zipfile.ZipFile(tmp_path / "a.pt") as archive:
@@ -1508,7 +1508,7 @@ def test_a_truncated_or_damaged_file_is_named_on_every_rank_which_all_stop_at_on
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is damaged" in got["damaged"], got["damaged"]
 
 
-# A file of each kind a checkpoint holds, as DeepSpeed names them at ZeRO 1 and 2 (rank 1's where each rank writes one).
+# A file of each kind a checkpoint holds, as DeepSpeed names them at ZeRO 2 (rank 1's where each rank writes one).
 ONE_OF_EACH_KIND = dict(model="mp_rank_00_model_states.pt", rng="rng_state_rank1.pt")
 ONE_OF_EACH_KIND["optimizer"] = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
@@ -1652,19 +1652,14 @@ def test_train_batch_size_mismatch_fails_fast_on_both_ranks_before_any_process_g
 # process group yet.
 
 
-@pytest.fixture(scope="module")
-def flags_and_data_run(core_run):
-    return core_run  # these cases run last in the core launch
-
-
 @pytest.mark.full
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("max_norm", [MAX_NORM, 0])
-def test_get_grad_norm_is_plain_pytorchs_norm_before_clipping_after_every_step(flags_and_data_run, stage, max_norm):
+def test_get_grad_norm_is_plain_pytorchs_norm_before_clipping_after_every_step(core_run, stage, max_norm):
     # Within 2e-6 (7.7e-7 measured). Clipped, the norm would be MAX_NORM; with max_norm 0 the norms after the
     # first step differ from MAX_NORM's by 1.3e-4 to 2.6e-3, as the weights no longer clip.
     _, expected = reference_training(max_norm=max_norm)
-    for got, mid_way in case(flags_and_data_run, f"grad_norm_stage{stage}_max_norm{max_norm}"):
+    for got, mid_way in case(core_run, f"grad_norm_stage{stage}_max_norm{max_norm}"):
         assert all(type(norm) is float for norm in got)
         assert got == pytest.approx(expected, rel=2e-6)
         # Mid-way through an accumulation: still the last step's; before the first step 0.0, as OpenRLHF 0.10.1's
@@ -1673,19 +1668,19 @@ def test_get_grad_norm_is_plain_pytorchs_norm_before_clipping_after_every_step(f
 
 
 @pytest.mark.full
-def test_get_grad_norm_reaches_the_engine_through_an_actor(flags_and_data_run):
+def test_get_grad_norm_reaches_the_engine_through_an_actor(core_run):
     _, expected = reference_training()
-    for got, _ in case(flags_and_data_run, "grad_norm_actor"):
+    for got, _ in case(core_run, "grad_norm_actor"):
         assert got == pytest.approx(expected, rel=2e-6)
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_get_grad_norm_at_bf16_is_plain_pytorchs_within_bf16_rounding(flags_and_data_run, stage):
+def test_get_grad_norm_at_bf16_is_plain_pytorchs_within_bf16_rounding(core_run, stage):
     # Within 5e-2 of the fp32 run's, from which bf16 weights drift step by step: 1.8e-2 measured at ZeRO 0, whose
     # gradients stay bf16, and 3.1e-3 at ZeRO 1-3. A clipped norm would be MAX_NORM.
     _, expected = reference_training()
-    for got, _ in case(flags_and_data_run, f"grad_norm_bf16_stage{stage}"):
+    for got, _ in case(core_run, f"grad_norm_bf16_stage{stage}"):
         assert all(type(norm) is float for norm in got)
         assert got == pytest.approx(expected, rel=5e-2)
 
@@ -1693,9 +1688,9 @@ def test_get_grad_norm_at_bf16_is_plain_pytorchs_within_bf16_rounding(flags_and_
 @pytest.mark.full
 @pytest.mark.parametrize("shuffle, set_epoch, consumed_samples", ROUND_TRIPS)
 def test_on_two_ranks_a_loader_restored_from_any_state_yields_what_the_uninterrupted_one_does(
-    flags_and_data_run, shuffle, set_epoch, consumed_samples
+    core_run, shuffle, set_epoch, consumed_samples
 ):
-    ranks = case(flags_and_data_run, f"round_trips_{shuffle}_{set_epoch}_{consumed_samples}")
+    ranks = case(core_run, f"round_trips_{shuffle}_{set_epoch}_{consumed_samples}")
     for trips, epochs in ranks:
         assert len(trips) == 1 + sum(len(epoch) for epoch in epochs) + 3
         for after, resumed in trips:
@@ -1705,26 +1700,26 @@ def test_on_two_ranks_a_loader_restored_from_any_state_yields_what_the_uninterru
 
 
 @pytest.mark.full
-def test_a_loaders_state_carried_in_a_checkpoint_resumes_its_batches_on_two_ranks(flags_and_data_run):
-    for got in case(flags_and_data_run, "loader_through_a_checkpoint"):
+def test_a_loaders_state_carried_in_a_checkpoint_resumes_its_batches_on_two_ranks(core_run):
+    for got in case(core_run, "loader_through_a_checkpoint"):
         assert len(got["resumed"]) == 10 + 16  # the rest of the epoch, then the next one
         assert torch.equal(got["resumed"], got["uninterrupted"])
 
 
 @pytest.mark.full
-def test_a_strategy_not_set_up_yet_gives_each_rank_its_shard_of_the_existing_process_group(flags_and_data_run):
-    for rank, got in enumerate(case(flags_and_data_run, "loader_before_setup")):
+def test_a_strategy_not_set_up_yet_gives_each_rank_its_shard_of_the_existing_process_group(core_run):
+    for rank, got in enumerate(case(core_run, "loader_before_setup")):
         assert got == list(range(rank, 20, WORLD))  # unshuffled: every WORLD-th sample from the rank's own
 
 
 @pytest.mark.full
-def test_at_zero_3_every_rank_refuses_a_file_whose_damage_only_rank_1_reads_in_load_model(flags_and_data_run):
-    for got in case(flags_and_data_run, "load_model_verdict_zero3"):
+def test_at_zero_3_every_rank_refuses_a_file_whose_damage_only_rank_1_reads_in_load_model(core_run):
+    for got in case(core_run, "load_model_verdict_zero3"):
         assert got.startswith("ValueError: refusing to load ") and "is damaged (Bad CRC-32 for file" in got, got
 
 
 @pytest.mark.full
-def test_the_readmes_usage_block_runs_as_written_on_two_ranks_and_trains_like_plain_pytorch(flags_and_data_run):
+def test_the_readmes_usage_block_runs_as_written_on_two_ranks_and_trains_like_plain_pytorch(core_run):
     # Plain PyTorch on the same two global batches of 32: the sampler's epoch 0 under the default seed 42 (ranks
     # take every other sample; a step's 4 micro-batches of 4 on each rank are 32 consecutive ones), AdamW as
     # create_optimizer groups it, clipping at the default max_norm 1.0.
@@ -1741,7 +1736,7 @@ def test_the_readmes_usage_block_runs_as_written_on_two_ranks_and_trains_like_pl
         F.mse_loss(model(x[batch]), y[batch]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    for got in case(flags_and_data_run, "readme_usage"):
+    for got in case(core_run, "readme_usage"):
         for name, p in model.named_parameters():
             assert (p - initial[name]).abs().max() > 1e-4  # the weights moved far beyond the tolerance
             assert (got[name] - p).abs().max() < 1e-5, name
@@ -1880,7 +1875,6 @@ def reshape_save(name, out_dir):
 def saved_state(engine):
     """The fp32 master weights and Adam's moments by name, as DeepSpeed's own public getters report them (all
     ranks must call it), with the module's other tensors: the start for reshape_reference."""
-
     state = dict(tensors=full_state(engine), exp_avg={}, exp_avg_sq={})
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
@@ -1968,6 +1962,9 @@ def test_a_bf16_checkpoint_resumes_in_fp32_like_plain_pytorch_from_the_saved_sta
     assert_reshaped_like(reshape_results[name], reshape_reference()[0], tolerance=3e-3)
 
 
+BF16_STEPS = 4e-3  # how far 2 steps in bf16 end from fp32's: 8-bit weights, and Adam amplifies rounded gradients
+
+
 @pytest.mark.full
 def test_a_bf16_checkpoint_resumes_in_bf16_on_one_rank_within_bf16_rounding(reshape_results):
     """The load gives the fp32 masters and Adam's moments the bf16 run saved, exactly (DeepSpeed's getters on both
@@ -2014,9 +2011,6 @@ def test_a_checkpoint_of_the_previous_release_resumes_in_its_shape_and_says_why_
         assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
         with pytest.raises(ValueError, match="saved by an older release of this file: load it whole in its own shape"):
             reshape_resume(old.name, str(tmp_path))
-
-
-BF16_STEPS = 4e-3  # how far 2 steps in bf16 end from fp32's: 8-bit weights, and Adam amplifies rounded gradients
 
 
 def assert_reshaped_like(got, expected, tolerance):
@@ -2474,13 +2468,9 @@ class ReshapeModelChanged(ReshapeModel):
         self.extra = torch.nn.Parameter(torch.randn(3))
 
 
-@pytest.fixture(scope="module")
-def review_run(core_run):
-    return core_run[0]  # each rank's results: the review's cases run in the core launch
-
-
-def review_case(review_run, name):
-    return case((review_run, None), name)[0], case((review_run, None), "saved")[0]
+def review_case(core_run, name):
+    """Rank 0's result of the review's case name, and the state the review's ZeRO 2 run saved."""
+    return case(core_run, name)[0], case(core_run, "saved")[0]
 
 
 def assert_same_state(got, expected, names=None, dtype=torch.float32):
@@ -2494,10 +2484,10 @@ def assert_same_state(got, expected, names=None, dtype=torch.float32):
 
 
 @pytest.mark.full
-def test_every_optimizer_class_deepspeed_builds_for_accepted_flags_is_one_the_reader_writes_into(review_run):
+def test_every_optimizer_class_deepspeed_builds_for_accepted_flags_is_one_the_reader_writes_into(core_run):
     import get_strategy as gs
 
-    built, _ = review_case(review_run, "classes")  # (stage, bf16, grad_accum_dtype, adam_offload) -> class or error
+    built, _ = review_case(core_run, "classes")  # (stage, bf16, grad_accum_dtype, adam_offload) -> class or error
     assert not [(flags, kind) for flags, kind in built.items() if kind.startswith("error")], built
     assert set(built.values()) == {"AdamW", *gs.WRAPPERS}  # the reader's table, no more, no less
     assert set(built.values()) == {kind for _, _, kind in REVIEW_TARGETS.values()}  # each resumed into below
@@ -2505,8 +2495,8 @@ def test_every_optimizer_class_deepspeed_builds_for_accepted_flags_is_one_the_re
 
 @pytest.mark.full
 @pytest.mark.parametrize("name", REVIEW_TARGETS)
-def test_a_zero_2_checkpoint_resumes_into_every_optimizer_class_with_the_saved_masters_and_moments(review_run, name):
-    got, saved = review_case(review_run, f"target_{name}")
+def test_a_zero_2_checkpoint_resumes_into_every_optimizer_class_with_the_saved_masters_and_moments(core_run, name):
+    got, saved = review_case(core_run, f"target_{name}")
     assert got["kind"] == REVIEW_TARGETS[name][2]
     assert_same_state(got["optimizer"], saved["optimizer"])  # fp32 masters and moments, exactly
     assert_same_state(got["tensors"], saved["tensors"], dtype=got["dtype"])  # weights, frozen layer, buffer
@@ -2515,23 +2505,23 @@ def test_a_zero_2_checkpoint_resumes_into_every_optimizer_class_with_the_saved_m
 
 @pytest.mark.full
 @pytest.mark.parametrize("stage", [2, 1])
-def test_a_layer_frozen_after_a_warm_start_gets_the_checkpoints_weights(review_run, stage):
-    got, saved = review_case(review_run, f"frozen_{stage}")
+def test_a_layer_frozen_after_a_warm_start_gets_the_checkpoints_weights(core_run, stage):
+    got, saved = review_case(core_run, f"frozen_{stage}")
     assert not got["first_trains"]
     assert_same_state(got["tensors"], saved["tensors"])
 
 
 @pytest.mark.full
-def test_a_frozen_parameter_a_user_optimizer_lists_resumes_at_zero_3(review_run):
-    got, saved = review_case(review_run, "frozen_listed")
+def test_a_frozen_parameter_a_user_optimizer_lists_resumes_at_zero_3(core_run):
+    got, saved = review_case(core_run, "frozen_listed")
     assert_same_state(got["tensors"], got["saved_tensors"])
     assert_same_state(got["optimizer"], got["saved_optimizer"])
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("stage", [2, 3])
-def test_without_strict_loading_what_matches_by_name_and_shape_loads_and_the_rest_keeps_its_values(review_run, stage):
-    got, saved = review_case(review_run, f"not_strict_{stage}")
+def test_without_strict_loading_what_matches_by_name_and_shape_loads_and_the_rest_keeps_its_values(core_run, stage):
+    got, saved = review_case(core_run, f"not_strict_{stage}")
     changed = ["out.weight", "out.bias", "extra"]
     assert_same_state(got["tensors"], saved["tensors"], names=[n for n in saved["tensors"] if n not in changed])
     assert_same_state(got["tensors"], got["initial"], names=changed)  # as initialised, never scrambled
@@ -2542,53 +2532,53 @@ def test_without_strict_loading_what_matches_by_name_and_shape_loads_and_the_res
 @pytest.mark.full
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("module_only", [True, False])
-def test_an_eval_engine_loads_a_training_checkpoints_weights(review_run, stage, module_only):
-    got, saved = review_case(review_run, f"eval_{stage}_{module_only}")
+def test_an_eval_engine_loads_a_training_checkpoints_weights(core_run, stage, module_only):
+    got, saved = review_case(core_run, f"eval_{stage}_{module_only}")
     assert got["stage"] == stage
     assert_same_state(got["tensors"], saved["tensors"])
 
 
 @pytest.mark.full
-def test_a_plain_deepspeed_checkpoint_resumes_in_its_own_shape_with_a_warning_and_is_refused_in_another(review_run):
-    got, _ = review_case(review_run, "plain")
+def test_a_plain_deepspeed_checkpoint_resumes_in_its_own_shape_with_a_warning_and_is_refused_in_another(core_run):
+    got, _ = review_case(core_run, "plain")
     assert_same_state(got["optimizer"], got["saved_optimizer"])
     assert_same_state(got["tensors"], got["saved_tensors"])
     assert got["global_steps"] == 2
     assert "has no checkpoint_complete.json (a plain DeepSpeed checkpoint)" in got["printed"]
     assert "unverified" in got["printed"]
-    for rank in review_run:
-        refused = rank["plain"]["other_shape"]
+    for on_rank in case(core_run, "plain"):
+        refused = on_rank["other_shape"]
         assert refused.startswith("ValueError: ") and "plain DeepSpeed checkpoint" in refused, refused
         assert "'zero_stage': 2" in refused and "save_ckpt once" in refused, refused
 
 
 @pytest.mark.full
-def test_amsgrads_state_resumes_in_another_shape_and_an_optimizer_without_it_is_refused_unchanged(review_run):
-    got, _ = review_case(review_run, "amsgrad")
+def test_amsgrads_state_resumes_in_another_shape_and_an_optimizer_without_it_is_refused_unchanged(core_run):
+    got, _ = review_case(core_run, "amsgrad")
     assert "max_exp_avg_sq" in got["saved_optimizer"]["first.weight"]
     assert_same_state(got["optimizer"], got["saved_optimizer"])
     assert got["stepped"]
-    for rank in review_run:
-        refused = rank["amsgrad"]["offload"]
+    for on_rank in case(core_run, "amsgrad"):
+        refused = on_rank["offload"]
         assert "max_exp_avg_sq" in refused and "DeepSpeedCPUAdam" in refused, refused
     assert_same_state(got["offload_after"], got["offload_before"])  # the refusal changed nothing
 
 
 @pytest.mark.full
-def test_optimizer_groups_are_matched_by_their_parameters_names_and_another_grouping_is_refused(review_run):
-    got, _ = review_case(review_run, "groups")
+def test_optimizer_groups_are_matched_by_their_parameters_names_and_another_grouping_is_refused(core_run):
+    got, _ = review_case(core_run, "groups")
     assert got["weight_decay"] == [0.0, WEIGHT_DECAY]  # this run lists the groups in the other order
-    for rank in review_run:
-        refused = rank["groups"]["one_group"]
+    for on_rank in case(core_run, "groups"):
+        refused = on_rank["one_group"]
         assert "optimizer groups do not match" in refused and "saved [[" in refused and "here [[" in refused
 
 
 @pytest.mark.full
-def test_a_file_copied_in_from_another_checkpoint_or_a_damaged_record_is_named_and_latest_falls_back(review_run):
-    got, _ = review_case(review_run, "integrity")
+def test_a_file_copied_in_from_another_checkpoint_or_a_damaged_record_is_named_and_latest_falls_back(core_run):
+    got, _ = review_case(core_run, "integrity")
     assert got["same_size"]  # so only the record's contents can tell the files apart
-    for rank in review_run:
-        copied = rank["integrity"]["copied"]
+    for on_rank in case(core_run, "integrity"):
+        copied = on_rank["copied"]
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is not the file this checkpoint saved" in copied, copied
     assert got["latest_missing"] == 3 and "resuming from global_step3 instead" in got["latest_missing_printed"]
     assert got["record_damaged"] == 2
@@ -2599,7 +2589,6 @@ def optimizer_snapshot(engine):
     """Each trained parameter's fp32 master ("value") and optimizer state by name, as float32 CPU copies: through
     DeepSpeed's public getters at ZeRO 1-3, and at ZeRO 0, where they return None, from the optimizer's own
     tensors. All ranks must call it."""
-
     optimizer = engine.optimizer
     base = getattr(optimizer, "optimizer", optimizer)
     names = {id(p): name for name, p in engine.module.named_parameters()}
@@ -2651,7 +2640,7 @@ def load_printing(strategy, engine, ckpt, **kwargs):
 def on_rank_0(action, *args):
     """action(*args) on rank 0 alone, between barriers: every rank sees the files as they were before, then after."""
     dist.barrier()
-    if torch.distributed.get_rank() == 0:
+    if dist.get_rank() == 0:
         action(*args)
     dist.barrier()
 
@@ -2709,7 +2698,7 @@ def review_integrity(rank, ckpt):
     if rank == 0:  # one digit of the record's first file size changed: still valid JSON
         Path(ckpt, "latest").write_text("global_step3")
         record = os.path.join(ckpt, "global_step3", "checkpoint_complete.json")
-        text = open(record).read()
+        text = Path(record).read_text()
         at = text.index('"files"') + text[text.index('"files"') :].index(": ", 10) + 2
         Path(record).write_text(text[:at] + ("1" if text[at] != "1" else "2") + text[at + 1 :])
     dist.barrier()
@@ -3311,7 +3300,7 @@ def rotation(rank, out_dir):
         os.makedirs(os.path.join(save_dir, "notes"))
         Path(save_dir, "notes", "keep.txt").write_text("not a checkpoint")
     after_each_save = []
-    listing = lambda d: sorted(n for n in os.listdir(d) if not n.endswith(".py"))  # noqa: E731 (DeepSpeed adds scripts)
+    listing = lambda d: sorted(checkpoints(os.listdir(d)))  # noqa: E731 (DeepSpeed adds its scripts to a save_dir)
     for _ in range(3):
         train(strategy, engine, optimizer, scheduler, loader, 1)
         strategy.save_ckpt(engine, save_dir, max_num=2)
@@ -3336,7 +3325,6 @@ def rotation(rank, out_dir):
 def checkpoint_rules(rank, out_dir):
     """The rules of which checkpoints rotation keeps, links, crashed saves' leftovers and a checkpoint folder given
     as load_dir; each step's listing as rank 0 sees it after the save."""
-
     strategy = new_strategy(2)
     engine, _, _ = prepared(strategy)
     got = {}
@@ -3743,7 +3731,6 @@ def damaged(rank, out_dir):
 def flip_a_bit_in_the_largest_tensor(path, info=None):
     """Flip one bit in the middle of the largest record of a torch.save zip archive (a tensor's bytes), or of the
     record `info` (a zipfile.ZipInfo) when given."""
-
     if info is None:
         with zipfile.ZipFile(path) as archive:
             info = max(archive.infolist(), key=lambda i: i.file_size)
@@ -3889,7 +3876,6 @@ def loader_before_setup():
 def load_model_verdict_at_zero_3(out_dir):
     """What load_model says on each rank at ZeRO 3 of a file with one bit flipped in a record that only rank 1's
     share of the CRC check reads."""
-
     strategy = new_strategy(3)
     engine = strategy.prepare(make_model())
     path = os.path.join(out_dir, "verdict.pt")

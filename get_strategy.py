@@ -36,6 +36,7 @@ master weights and moments). Stage 2: also only its share of the gradients. Stag
 weights, gathering each layer's full weights just while the layer runs.
 """
 
+import contextlib
 import gc
 import json
 import math
@@ -241,7 +242,8 @@ class DeepspeedStrategy:
         # Only now is the local rank known under every launcher (MPI's is found while joining): it picks this
         # rank's device.
         self.local_rank = int(_first_variable(LOCAL_RANK_VARS) or 0)
-        get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
+        # CUDA: this rank's GPU (the one it sees, where a launcher shows each process one); CPU: nothing to pick.
+        get_accelerator().set_device(self.local_rank if get_accelerator().device_count() > 1 else 0)
 
     def _use_deterministic_kernels(self) -> None:
         # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable. It is
@@ -250,12 +252,22 @@ class DeepspeedStrategy:
         # flash-attention's backward adds with atomics unless told not to (read by flash-attn and transformers).
         os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
         torch.use_deterministic_algorithms(True)  # raise instead of silently running a nondeterministic kernel
+        # Not NaN in every torch.empty, as that switch does: ZeRO 1-2's 2 GB buckets, every micro-step (seconds).
+        torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True  # only deterministic convolution algorithms
         torch.backends.cudnn.benchmark = False  # no timing-based choice of algorithm, which varies run to run
 
     def _describe_a_one_process_world(self) -> None:
         # Launchers export the rendezvous variables. Without one (plain python), describe a world of one process
-        # ourselves, or deepspeed.init_distributed() goes looking for MPI.
+        # ourselves, or deepspeed.init_distributed() goes looking for MPI. srun sets none of them: its tasks would
+        # each train alone, writing the same checkpoints.
+        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))
+        if tasks > 1:
+            launch = "srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES --nproc_per_node <GPUs per node>"
+            fix = f"{launch} --rdzv_backend c10d --rdzv_endpoint <first node>:29500 train.py"
+            raise ValueError(
+                f"srun started {tasks} tasks of plain python, each a world of one: start one launcher per node, {fix}"
+            )
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(name, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -267,12 +279,7 @@ class DeepspeedStrategy:
         where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
         try:
             if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                # torchrun keeps one store across restarts: this attempt's keys get a prefix of their own, or a
-                # restarted rank reads the addresses of dead ranks. DeepSpeed then adopts this process group.
-                agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-                store = dist.PrefixStore(f"attempt{env['TORCHELASTIC_RESTART_COUNT']}/", agent)
-                rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+                self._join_through_torchruns_store(backend, timeout)  # DeepSpeed then adopts this process group
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         except dist.DistNetworkError as error:
             if "EADDRINUSE" not in str(error):  # torch names no other cause; this one is common on shared machines
@@ -282,6 +289,15 @@ class DeepspeedStrategy:
         except dist.DistStoreError as error:  # a timeout, saying how many ranks arrived
             fix = "check that all were started with the same --master_addr and --master_port"
             raise RuntimeError(f"not every rank arrived at {where} within {timeout} ({error}): {fix}") from error
+
+    def _join_through_torchruns_store(self, backend: str, timeout: timedelta) -> None:
+        # torchrun keeps one store across restarts: this attempt's keys get a prefix of their own, or a restarted
+        # rank reads the addresses of dead ranks.
+        env = os.environ
+        agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"attempt{env['TORCHELASTIC_RESTART_COUNT']}/", agent)
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
     def _set_world_size(self, world_size: int) -> None:
         """Check the batch sizes against world_size, then keep it and the accumulation steps they give."""
@@ -313,10 +329,11 @@ class DeepspeedStrategy:
             "stage": self.stage,  # what each rank keeps of the training state (the module docstring)
             # ZeRO-Offload: keep this rank's optimizer shard in CPU memory and run Adam there (DeepSpeedCPUAdam).
             "offload_optimizer": {"device": "cpu" if self.adam_offload else "none", "pin_memory": True},
-            # Reduce gradient buckets while the backward pass still runs. Written either way: DeepSpeed's default
-            # differs by stage (on at 3, off below), and an unwritten False would silently mean True at stage 3.
-            "overlap_comm": self.overlap_comm,
         }
+        # Reduce gradient buckets while the backward pass still runs. Written only when asked for, as OpenRLHF does:
+        # unwritten, DeepSpeed's default for the stage holds (on at ZeRO 3, off below).
+        if self.overlap_comm:
+            zero["overlap_comm"] = True
         config = self._ds_config(zero)
         config["gradient_clipping"] = self.max_norm  # clip the global gradient L2 norm to this; 0 disables clipping
         if self.grad_accum_dtype is not None:
@@ -398,8 +415,8 @@ class DeepspeedStrategy:
         groups = [group for group in groups if group["params"]]
         if self.adam_offload:
             return deepspeed.ops.adam.DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        if get_accelerator().device_name() == "cuda":
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        if get_accelerator().device_name() == "cuda" and "foreach" not in kwargs:
+            kwargs.setdefault("fused", True)  # one kernel for the whole step; a caller's fused= or foreach= wins
         return torch.optim.AdamW(groups, **kwargs)
 
     def prepare(self, *models_or_model_optim_pairs, is_rlhf: bool = False):
@@ -443,10 +460,11 @@ class DeepspeedStrategy:
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
         """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients are
-        the mean over the whole batch, and averages the gradients over ranks: at ZeRO 0 by one all-reduce on the last
-        micro-step of an accumulation; at ZeRO 1 then too, each gradient reduced only to the rank owning its shard of
-        the optimizer; at ZeRO 2 and 3, which keep only their shard of the gradients, on every micro-step (with
-        overlap_comm, bucket by bucket while the backward pass still runs)."""
+        the mean over the whole batch, and averages the gradients over ranks:
+        - ZeRO 0: one all-reduce of every gradient, on the last micro-step of an accumulation;
+        - ZeRO 1: then too, each gradient reduced only to the rank owning its shard of the optimizer;
+        - ZeRO 2 and 3 (each rank keeps only its shard of the gradients): on every micro-step, bucket by bucket
+          while the backward pass still runs where overlap_comm is on (DeepSpeed's default at ZeRO 3)."""
         self._engine(model).backward(loss)
 
     def optimizer_step(self, optimizer, model, scheduler, name: str = "model", **kwargs) -> None:
@@ -497,7 +515,9 @@ class DeepspeedStrategy:
         if not isinstance(data, torch.Tensor):  # a Python bool, int or float: float64 for a float, exact otherwise
             data = torch.tensor(data, dtype=torch.float64 if isinstance(data, float) else None)
             return self.all_reduce(data, op).item()
-        exact = not data.is_floating_point() and not data.is_complex()  # bool or integer
+        # Bools and integers reduce as int64: torch's NCCL group sums bool tensors as a max (a logical or), which
+        # would say whether any rank had True, not how many.
+        exact = not data.is_floating_point() and not data.is_complex()
         dtype = torch.int64 if exact else data.dtype
         tensor = data.detach().to(get_accelerator().current_device_name(), dtype, copy=True)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
@@ -598,6 +618,7 @@ class DeepspeedStrategy:
         optimizer step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta)
         * that counterpart, computed on device ("cuda", which OpenRLHF passes on any machine: this rank's
         accelerator). All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
+        self._require_process_group("moving_average")
         device = get_accelerator().current_device_name() if device == "cuda" else device
         self._ema_calls += 1
         if self._ema_calls % self.accumulated_gradient != 0:
@@ -630,6 +651,9 @@ class DeepspeedStrategy:
         past epoch 0 needs, and loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs. num_workers > 0
         loads in that many processes, in the same order; but a dataset drawing random numbers itself (augmentation)
         draws others after a resume with workers, which torch seeds once per pass: there keep num_workers=0."""
+        if sampler is not None and not isinstance(sampler, DistributedSampler):
+            why = "the loader resumes mid-epoch (state_dict) through get_strategy's DistributedSampler alone"
+            raise ValueError(f"setup_dataloader sampler {type(sampler).__name__} is not get_strategy's: {why}")
         if sampler is None:
             # The process group's shard, even where this strategy has not joined it yet. Without a group (PPO's
             # driver builds its prompts loader before any) a world of one: all the dataset, shuffled by seed and epoch.
@@ -667,6 +691,57 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         return max(0, self.num_samples - self.skip)
 
 
+# ============================================ A learner can stop reading here: everything above trains. ========
+# The second part: checkpoints and model weights, what a run needs to survive being stopped, moved and restarted.
+#
+# A checkpoint is a folder in save_dir holding four kinds of saved state, each named once below:
+#   - DeepSpeed's model states (mp_rank_00_model_states.pt; at ZeRO 3 one per rank): the module's weights, the
+#     scheduler, the counters and client_state, and at ZeRO 0 the optimizer's state too;
+#   - at ZeRO 1-3 each rank's shard of the optimizer's state (*zero_pp_rank_<rank>_*optim_states.pt);
+#   - each rank's random generators (RNG_FILE), which DeepSpeed does not save;
+#   - last, the record (DONE_FILE): the run's shape, the model's tensors, the optimizer's groups by name, the
+#     metric, and every file's size and content. A folder is a checkpoint once its record is there, not before.
+#
+# Every entry a save_dir can hold, and what loading (with tag=None), saving and rotation do with it. A save or a
+# delete changes one entry at a time, by one rename or one record, so wherever it is cut short (a crash, a power
+# cut) save_dir holds rows of this table and nothing else.
+#
+#   entry in save_dir               what it is                           load_ckpt(tag=None)  save_ckpt   rotation
+#   <tag>/ with a record            checkpoint <tag>                     a candidate          replaces it deletes it
+#   <tag>.saving/ with a record     checkpoint <tag>, newer than a       a candidate, as      renames it  -
+#                                   <tag>/ (cut short before its rename) <tag>                to <tag>
+#   <tag>.saving/ without a record  a save cut short (or under way)      ignored              deletes it  -
+#   <name>.deleting/                a delete cut short                   ignored              deletes it  -
+#   <tag>/ with DeepSpeed's files,  a plain DeepSpeed checkpoint         only as latest's     replaces it deletes it
+#     no record, no RNG_FILE        (OpenRLHF's strategy writes them)
+#   <tag>/ with RNG_FILE, no record a delete cut short (release 0.19.0)  ignored              deletes it  -
+#   a link, anything else           not this file's to change            a link to one: yes   refuses it  never
+#   latest (a file)                 the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
+#
+# "deletes it" and "renames it" happen first, before a save writes anything, and only where the folder holds
+# nothing but checkpoint files; "replaces it" and "deletes it" under rotation rename the folder to <name>.deleting
+# before removing its files. Where latest is missing, names no checkpoint that passes, or is older than another
+# checkpoint, Checkpoints.load's first step says what loads.
+# Saving, in order (Checkpoints.save):
+#   1. rank 0 clears the rows marked "first" above and refuses a tag whose folder is not a checkpoint; every rank
+#      writes its files into <tag>.saving and makes them durable (fsync), noting a failed write instead of raising
+#      it, and the ranks agree on whether any failed;
+#   2. rank 0 writes the record into <tag>.saving, then latest: the save is committed. A failure up to here leaves
+#      the previous checkpoint and latest as they were (a record already written goes again);
+#   3. rank 0 replaces an older <tag> with <tag>.saving, then rotates; a failure here is a warning.
+# Loading, in order (Checkpoints.load): choose the checkpoint and check its files on every rank; refuse another
+# model; load it with DeepSpeed's own load if the run shape is unchanged, else with ReshapingReader (the file's
+# last part); restore the generators.
+RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators
+DONE_FILE = "checkpoint_complete.json"  # the record, written once every rank has saved
+STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once committed
+DELETING = ".deleting"  # a folder on its way out: renamed so, then removed
+WORKING = (STAGING, DELETING, ".replaced")  # the working folders' suffixes (release 0.19.0 wrote .replaced)
+KINDS = ("checkpoint", "plain")  # the table's rows that are checkpoints: this file's, and plain DeepSpeed ones
+LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
+
+
+# A loader's own state, for a resume in the middle of an epoch (OpenRLHF's PPO checkpoints it with client_state).
 class StatefulDataLoader(torch.utils.data.DataLoader):
     """A DataLoader that resumes mid-epoch, under the name and the two methods of torchdata's (OpenRLHF's PPO
     checkpoints its state): after load_state_dict(the state_dict() taken after k batches), a loader set up alike
@@ -694,35 +769,6 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.set_epoch(state["epoch"], state["consumed_samples"])
-
-
-# ============================================ A learner can stop reading here: everything above trains. ========
-# The second part: checkpoints and model weights, what a run needs to survive being stopped, moved and restarted.
-#
-# A checkpoint is the folder save_dir/<tag>, and it holds four kinds of saved state, each named once below:
-#   - DeepSpeed's model states (mp_rank_00_model_states.pt; at ZeRO 3 one per rank): the module's weights, the
-#     scheduler, the counters and client_state, and at ZeRO 0 the optimizer's state too;
-#   - at ZeRO 1-3 each rank's shard of the optimizer's state (*zero_pp_rank_<rank>_*optim_states.pt);
-#   - each rank's random generators (RNG_FILE), which DeepSpeed does not save;
-#   - last, the record (DONE_FILE): the run's shape, the model's tensors, the optimizer's groups by name, the
-#     metric, and every file's size and content. A folder without its record is no checkpoint.
-# Saving, in order (Checkpoints.save):
-#   1. every rank writes its files into save_dir/<tag>.saving and makes them durable (fsync); a failed write is
-#      noted, not raised, and the ranks agree on whether any failed before anything is committed;
-#   2. rank 0 writes the record there, renames an older <tag> to <tag>.replaced, renames <tag>.saving to <tag>,
-#      and only then points save_dir/latest at it;
-#   3. rank 0 deletes <tag>.replaced, then rotates: the older best checkpoint if this one is a best, the
-#      checkpoints over max_num and max_mem (each record first), and staging folders of saves that crashed.
-# So a crash or a power cut at any moment leaves a complete checkpoint: the previous, or between the two renames
-# of step 2 the old and the new one under <tag>.replaced and <tag>.saving, which a load counts among the complete
-# ones. Loading, in order (Checkpoints.load): choose the checkpoint (latest's, else the newest complete one) and
-# check its files on every rank; refuse another model; load it with DeepSpeed's own load if the run shape is
-# unchanged, else with ReshapingReader (the file's last part); restore the generators.
-RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators
-DONE_FILE = "checkpoint_complete.json"  # the record, written once every rank has saved
-STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once complete
-REPLACED = ".replaced"  # an older <tag> while the new one takes its name
-LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
 
 
 def training_optimizer(engine):
@@ -753,81 +799,166 @@ class Checkpoints:
     def save(self, save_dir, tag, max_num, max_mem, client_state, save_latest, metric_value, metric_key) -> None:
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
-        ranks must call it, and save_dir must be on a filesystem every rank sees. The default tag is
-        global_step<N>. Then checkpoints go until at most max_num and max_mem GiB remain (never the new one or
-        latest's): those without a metric_value first, then the lowest metric_value (higher is better), then the
-        oldest. As in OpenRLHF 0.10: a tag starting with "best" is a best checkpoint, which max_num does not count
-        and rotation never deletes, but max_mem counts; a new best replaces the older best once it is committed.
-        metric_value (with its metric_key, a name) is kept in the checkpoint's record.
+        ranks must call it, save_dir must be on a filesystem every rank sees, and one run saves into it at a time.
+        The default tag is global_step<N>. Then checkpoints go until at most max_num and max_mem GiB remain (never
+        the new one or latest's): those without a metric_value first, then the lowest metric_value (higher is
+        better), then the oldest. As in OpenRLHF 0.10: a tag starting with "best" is a best checkpoint, which
+        max_num does not count and rotation never deletes, but max_mem counts; a new best replaces the older best
+        once it is committed. metric_value (with its metric_key, a name) is kept in the checkpoint's record; a NaN
+        or infinite one counts as none, with a warning (one evaluation that diverged must not cost a checkpoint).
 
         A save that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every rank,
         naming the rank, the file and the error, and removes what it wrote; the previous checkpoint and latest stay
         as they were. A save that save_dir's free space clearly cannot hold (less than the newest checkpoint's
-        size) is refused on every rank before anything is written."""
+        size), a tag that cannot name a checkpoint folder, or one whose folder is not a checkpoint, is refused on
+        every rank before anything is written."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         if not (_is_number(max_mem) and max_mem > 0):  # NaN too
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
-        metric = self._metric(metric_value, metric_key)  # on every rank: one rank's NaN must not leave others waiting
-        self._raise_on_every_rank(metric if isinstance(metric, str) else None, ValueError)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        metric, problem = self._metric(metric_value, metric_key)
+        # On every rank, before anything is written: a refusal on one rank alone would leave the others waiting.
+        self._raise_on_every_rank(problem or self._tag_problem(tag), ValueError)
         staging = os.path.join(save_dir, tag + STAGING)
-        self._raise_on_every_rank(self._space_problem(save_dir), RuntimeError)
-        problem = None
-        if self.rank == 0:
-            try:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-                os.makedirs(staging)
-            except OSError as error:
-                problem = f"save_ckpt could not make {staging} on rank 0: {error}"
+        problem = self._start(save_dir, tag) if self.rank == 0 else None
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
         problem = self._first_of_ranks(self._write_own_files(save_dir, tag, client_state or {}))
         if problem is None and self.rank == 0:  # one writer for every shared file
-            problem = self._commit_checkpoint(save_dir, tag, save_latest, metric)
+            problem = self._commit(save_dir, tag, save_latest, metric)
         problem = self._first_of_ranks(problem)
-        if problem:  # give the space back, so that the next save or a restart can succeed
-            shutil.rmtree(staging, ignore_errors=True)
+        if problem:  # nothing is committed: give the space back, the record first so no half is ever complete
+            if self.rank == 0:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(staging, DONE_FILE))
+                shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
             raise RuntimeError(problem)
-        if self.rank == 0:  # the new checkpoint is committed: a failure from here on loses nothing
+        if self.rank == 0:  # committed: a failure from here on loses nothing, and the next save finishes the work
             try:
-                self._rotate_checkpoints(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
-            except OSError as error:
-                self.print(f"warning: {tag} is saved in {save_dir}, but rotating older checkpoints failed: {error}")
+                self._rename_over(save_dir, tag)
+                self._rotate(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+            except Exception as error:  # any error: raised here, it would leave the other ranks waiting
+                self.print(f"warning: {tag} is saved in {save_dir}, but tidying up after it failed: {error!r}")
+        dist.barrier()  # no rank reads save_dir while rank 0 still renames in it
 
     def _metric(self, value, key):
-        """The record's {"key", "value"} for a metric_value (a Python, NumPy or 0-d torch number), None for none,
-        or why it is refused (a string)."""
-        if value is None:
-            return None
+        """(the record's {"key", "value"} for a metric_value, or None; why the save is refused, or None). Any
+        number will do (Python, NumPy or a 0-d tensor); NaN and infinity count as no metric."""
         try:
-            number = math.nan if isinstance(value, (bool, str, bytes)) else float(value)
+            json.dumps(key)  # checked now: the record is written only after every rank has saved its files
+        except (TypeError, ValueError) as error:
+            return None, f"save_ckpt metric_key {key!r} must be something JSON can write, such as a name: {error}"
+        if value is None:
+            return None, None
+        try:
+            number = None if isinstance(value, (bool, str, bytes)) else float(value)
         except (TypeError, ValueError, RuntimeError, OverflowError):
-            number = math.nan
-        refused = f"save_ckpt metric_value {value!r} must be a finite number, or None for no metric"
-        return {"key": key, "value": number} if math.isfinite(number) else refused
+            number = None
+        if number is None:
+            return None, f"save_ckpt metric_value {value!r} must be a number, or None for no metric"
+        if not math.isfinite(number):
+            self.print(f"warning: save_ckpt metric_value {value!r} is not finite: saving without a metric")
+            return None, None
+        return {"key": key, "value": number}, None
+
+    def _tag_problem(self, tag):
+        """Why tag cannot name a checkpoint's folder in save_dir, or None."""
+        if tag in ("", ".", "..", LATEST) or tag.endswith(WORKING) or any(c in tag for c in ("/", os.sep, "\0")):
+            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume) nor ending in one of {WORKING}"
+            return f"save_ckpt tag {tag!r} must be the name of a folder in save_dir, {not_these}"
+        if len((tag + DELETING).encode()) > 255:  # the longest name a save gives the folder
+            return f"save_ckpt tag {tag!r} is too long: with {DELETING} after it, it must fit in 255 bytes"
+        return None
 
     def _first_of_ranks(self, value):
         """The first rank's value that is not empty (a problem, a list of candidates), as every rank sees it, or
         None when every rank's is empty."""
+        if not dist.is_initialized():  # one process, as save_model and load_model allow
+            return value or None
         values = [None] * dist.get_world_size()
         dist.all_gather_object(values, value)
         return next((v for v in values if v), None)
 
-    def _raise_on_every_rank(self, problem, error_type) -> None:
-        """Raise error_type on every rank if any rank has a problem (a string): none then waits alone."""
-        found = self._first_of_ranks(problem)
+    def _raise_on_every_rank(self, problem, error_type=RuntimeError) -> None:
+        """Raise on every rank if any rank has a problem, so that none waits alone in its next collective (under
+        NCCL for the process group's timeout, an hour): a string, raised as error_type, or an exception this rank
+        caught, raised again here and as a RuntimeError naming it on the other ranks."""
+        caught = problem if isinstance(problem, Exception) else None
+        found = self._first_of_ranks(f"{type(caught).__name__} on rank {self.rank}: {caught}" if caught else problem)
+        if caught:
+            raise caught
         if found:
             raise error_type(found)
 
+    def _start(self, save_dir, tag):
+        """On rank 0, before any rank writes: clear what saves and deletes cut short left (the table's rows marked
+        "first"), refuse a tag whose folder is not a checkpoint or that the free space cannot hold, and make
+        <tag>.saving. Returns None, or why the save cannot start."""
+        folder = os.path.join(save_dir, tag)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for name in sorted(os.listdir(save_dir)):
+                kind = self._kind(save_dir, name)
+                if kind == "checkpoint" and name.endswith(STAGING):  # committed, but not yet renamed
+                    self._rename_over(save_dir, name.removesuffix(STAGING))
+                elif kind == "cut short":
+                    self._delete(save_dir, name)
+            if os.path.lexists(folder) and (os.path.islink(folder) or self._kind(save_dir, tag) not in KINDS):
+                fix = "pass another tag, or move it out of save_dir"
+                return f"save_ckpt refused before writing: {folder} is no checkpoint of this run to replace; {fix}"
+            problem = self._space_problem(save_dir)
+            if problem is None:
+                os.makedirs(folder + STAGING)
+            return problem
+        except Exception as error:  # any error: raised here, it would leave the other ranks waiting
+            return f"save_ckpt could not start in {save_dir} on rank 0: {error!r}; nothing was written"
+
+    def _kind(self, save_dir, name):
+        """Which row of the section's table the entry save_dir/name is: "checkpoint" (with its record: <tag> or
+        <tag>.saving), "plain" (a plain DeepSpeed checkpoint), "cut short" (a working folder or a half-deleted
+        checkpoint, holding checkpoint files alone), or None (a file, a folder of someone else's)."""
+        path = os.path.join(save_dir, name)
+        if not os.path.isdir(path) or (os.path.islink(path) and name.endswith(WORKING)):
+            return None
+        working = name.endswith(WORKING[1:])  # on its way out, whatever it holds
+        if not working and os.path.isfile(os.path.join(path, DONE_FILE)):
+            return "checkpoint"
+        if working or name.endswith(STAGING) or os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0))):
+            # Only names a checkpoint holds: DeepSpeed's *.pt, the record (and its temporary), OpenRLHF's metric.json.
+            ours = lambda n: n.endswith(".pt") or n.startswith(DONE_FILE) or n == "metric.json"  # noqa: E731
+            files = os.listdir(path)
+            alone = all(ours(n) and os.path.isfile(os.path.join(path, n)) for n in files)
+            return "cut short" if alone and not os.path.islink(path) else None
+        if any(os.path.isfile(os.path.join(path, model_states_file(stage))) for stage in (0, 3)):
+            return "plain"
+        return None
+
+    def _checkpoints(self, save_dir) -> dict:
+        """{tag: (folder, kind)} of every checkpoint in save_dir, "checkpoint" or "plain" (the table), oldest first
+        by when each was completed; <tag>.saving, where it holds a record, stands for <tag>."""
+        found = {}
+        for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []:  # <tag> before <tag>.saving
+            kind = self._kind(save_dir, name)
+            if kind in KINDS:
+                found[name.removesuffix(STAGING)] = (name, kind)
+        return dict(sorted(found.items(), key=lambda item: (self._completed_at(save_dir, item[1][0]), item[0])))
+
+    def _completed_at(self, save_dir, folder) -> float:
+        """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
+        names = (DONE_FILE, model_states_file(0), model_states_file(3))
+        return next(
+            os.path.getmtime(p) for p in (os.path.join(save_dir, folder, n) for n in names) if os.path.isfile(p)
+        )
+
     def _space_problem(self, save_dir):
         """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
-        newest complete checkpoint, which the next one will roughly match."""
-        complete = self._complete_checkpoints(save_dir)
-        if not complete:
+        newest checkpoint, which the next one will roughly match."""
+        folders = [folder for folder, _ in self._checkpoints(save_dir).values()]
+        if not folders:
             return None
-        sizes = [self._folder_bytes(os.path.join(save_dir, name)) for name in complete]
+        sizes = [self._folder_bytes(os.path.join(save_dir, folder)) for folder in folders]
         need, free = sizes[-1], shutil.disk_usage(save_dir).free
         if free >= need:
             return None
@@ -836,18 +967,7 @@ class Checkpoints:
         keep = f"max_num={room // need} or max_mem={room / 2**30:.2f}" if room >= need else "a larger disk"
         why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
         fix = f"rotation deletes only after a save, so free space by hand (and from then on keep fewer: {keep})"
-        return f"save_ckpt refused before writing: {why} (as large as {complete[-1]}); {fix}"
-
-    def _complete_checkpoints(self, save_dir: str) -> list:
-        """The complete checkpoints in save_dir, oldest first (by when they were completed). A save over a tag that
-        crashed between its two renames left complete ones under <tag>.saving and <tag>.replaced: they count while
-        <tag> itself is not complete (once it is, they are superseded copies)."""
-        names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
-        done = {n: os.path.join(save_dir, n, DONE_FILE) for n in names}  # where each folder's record would be
-        complete = [n for n, path in done.items() if os.path.isfile(path)]
-        base = {n: n.removesuffix(STAGING).removesuffix(REPLACED) for n in complete}
-        complete = [n for n in complete if base[n] == n or base[n] not in complete]
-        return sorted(complete, key=lambda n: (os.path.getmtime(done[n]), n))
+        return f"save_ckpt refused before writing: {why} (as large as {folders[-1]}); {fix}"
 
     def _folder_bytes(self, path: str) -> int:
         return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
@@ -903,7 +1023,8 @@ class Checkpoints:
         kind, keys, pos, has_gauss, cached = numpy.random.get_state()
         numpy_state = (kind, keys.tolist(), pos, has_gauss, cached)
         states = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-        if get_accelerator().device_name() != "cpu":
+        states["device_type"] = get_accelerator().device_name()  # a CUDA generator's state means nothing elsewhere
+        if states["device_type"] != "cpu":  # on the CPU, torch's generator is the device's
             states["device"] = get_accelerator().get_rng_state()
         return states
 
@@ -915,31 +1036,20 @@ class Checkpoints:
         finally:
             os.close(fd)
 
-    def _commit_checkpoint(self, save_dir, tag, save_latest, metric):
-        """On rank 0: write the record into <tag>.saving, rename it to <tag>, then point latest at it. Returns None,
-        or what failed: before the rename nothing has changed; after it the new checkpoint is complete."""
-        folder, staging = os.path.join(save_dir, tag), os.path.join(save_dir, tag + STAGING)
-        replaced = folder + REPLACED if os.path.exists(folder) else None  # over a tag: the old one stays complete
+    def _commit(self, save_dir, tag, save_latest, metric):
+        """On rank 0, once every rank's files are durable: write the record into <tag>.saving, then latest. Returns
+        None, or what failed (the caller then removes <tag>.saving, so nothing has changed)."""
+        staging = os.path.join(save_dir, tag + STAGING)
         try:
-            record = json.dumps(self._record(staging, metric), indent=1)
-            self._write_atomically(os.path.join(staging, DONE_FILE), record)
-            if replaced:
-                shutil.rmtree(replaced, ignore_errors=True)
-                os.rename(folder, replaced)
-            os.rename(staging, folder)
-        except OSError as error:
-            if replaced and os.path.isdir(replaced) and not os.path.exists(folder):
-                os.rename(replaced, folder)  # the old checkpoint back under its tag
-            why = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error}"
-            return f"{why}; the checkpoint before it is unchanged"
-        try:  # committed: whatever fails now, the new checkpoint is complete under its tag
-            self._fsync(save_dir)  # the rename, too, survives a power cut
+            self._write_atomically(
+                os.path.join(staging, DONE_FILE), json.dumps(self._record(staging, metric), indent=1)
+            )
+            self._fsync(save_dir)  # <tag>.saving's own name, too, survives a power cut
             if save_latest:
                 self._write_atomically(os.path.join(save_dir, LATEST), tag)
-            shutil.rmtree(folder + REPLACED, ignore_errors=True)
-        except OSError as error:
-            why = f"save_ckpt saved {tag} in {save_dir}, but then rank 0 failed: {error}"
-            return f"{why}; {LATEST} may name an older one"
+        except Exception as error:  # any error: raised here, it would leave the other ranks waiting
+            why = f"save_ckpt could not commit {tag} in {save_dir} on rank 0: {error!r}"
+            return f"{why}; the checkpoint before it is unchanged"
         return None
 
     def _record(self, staging, metric) -> dict:
@@ -994,61 +1104,54 @@ class Checkpoints:
             raise
         self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
 
-    def _rotate_checkpoints(self, save_dir, max_num, max_bytes, keep):
+    def _rename_over(self, save_dir, tag) -> None:
+        """Make the committed <tag>.saving <tag>, deleting an older <tag> first (in the meantime <tag>.saving is
+        the checkpoint <tag>, the table's second row)."""
+        if os.path.lexists(os.path.join(save_dir, tag)):
+            self._delete(save_dir, tag)
+        os.rename(os.path.join(save_dir, tag + STAGING), os.path.join(save_dir, tag))
+        self._fsync(save_dir)
+
+    def _delete(self, save_dir, name) -> None:
+        """Delete a checkpoint: renamed to <name>.deleting first (and the rename made durable), so a delete cut
+        short leaves a working folder that the next save removes, never a checkpoint with files missing."""
+        folder = os.path.join(save_dir, name)
+        os.rename(folder, folder + DELETING)
+        self._fsync(save_dir)
+        shutil.rmtree(folder + DELETING)
+
+    def _rotate(self, save_dir, max_num, max_bytes, keep):
         """After a commit: delete the older best checkpoints if keep is a best one, then the checkpoints over
         max_num (which best ones do not count) or max_bytes (which they do), in the order save_ckpt's docstring
-        gives, never keep or latest's; then the staging folders that saves which crashed left before keep."""
+        gives, never keep or latest's."""
         protected = {keep, self._read_latest(save_dir)}
-        # This file's complete checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this
-        # file), oldest first. A link (a run branched from another run's checkpoint) is kept as a foreign folder:
-        # deleting through it would delete the other run's checkpoint.
-        plain = [n for n in os.listdir(save_dir) if self._holds(os.path.join(save_dir, n)) == "plain"]
-        ours = self._complete_checkpoints(save_dir) + plain
-        ours = [n for n in ours if not os.path.islink(os.path.join(save_dir, n))]
-        ours.sort(key=lambda n: self._completed_at(os.path.join(save_dir, n)))
-        best = [n for n in ours if n.startswith("best")]
+        # This file's checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this file), oldest
+        # first. A link (a run branched from another run's checkpoint) stays: deleting through it would delete the
+        # other run's checkpoint.
+        ours = [tag for tag in self._checkpoints(save_dir) if not os.path.islink(os.path.join(save_dir, tag))]
+        best = [tag for tag in ours if tag.startswith("best")]
         if keep.startswith("best"):
-            for name in [n for n in best if n not in protected]:
-                self._delete_checkpoint(save_dir, name)
-                ours.remove(name)
-        sizes = {name: self._folder_bytes(os.path.join(save_dir, name)) for name in ours}
-        count, total = len([n for n in ours if not n.startswith("best")]), sum(sizes.values())
-        metrics = {name: self._saved_metric(os.path.join(save_dir, name)) for name in ours}
+            for tag in [t for t in best if t not in protected]:
+                self._delete(save_dir, tag)
+                ours.remove(tag)
+        sizes = {tag: self._folder_bytes(os.path.join(save_dir, tag)) for tag in ours}
+        count, total = len([tag for tag in ours if not tag.startswith("best")]), sum(sizes.values())
+        metrics = {tag: self._saved_metric(os.path.join(save_dir, tag)) for tag in ours}
         # No metric first, then the lowest, then the oldest (ours is oldest first, and sorted() keeps that order).
-        order = sorted(ours, key=lambda n: (metrics[n] is not None, metrics[n] or 0.0))
-        for name in [n for n in order if n not in protected and not n.startswith("best")]:
+        order = sorted(ours, key=lambda tag: (metrics[tag] is not None, metrics[tag] or 0.0))
+        for tag in [t for t in order if t not in protected and not t.startswith("best")]:
             if count <= max_num and total <= max_bytes:
                 break
-            self._delete_checkpoint(save_dir, name)
-            count, total = count - 1, total - sizes[name]
-        newest = self._completed_at(os.path.join(save_dir, keep))
-        for name in os.listdir(save_dir):  # incomplete, so no checkpoint, and older than this one: a crashed save's
-            path = os.path.join(save_dir, name)
-            if name.endswith((STAGING, REPLACED)) and not os.path.islink(path) and os.path.isdir(path):
-                if not os.path.isfile(os.path.join(path, DONE_FILE)) and os.path.getmtime(path) < newest:
-                    shutil.rmtree(path)
+            self._delete(save_dir, tag)
+            count, total = count - 1, total - sizes[tag]
 
     def _read_latest(self, save_dir: str):
+        """The tag latest names, or None where there is no latest file or it cannot be read (a folder, binary)."""
         try:
             with open(os.path.join(save_dir, LATEST)) as f:
-                return f.read().strip()
-        except FileNotFoundError:
+                return f.read().strip() or None
+        except (OSError, UnicodeDecodeError):
             return None
-
-    def _holds(self, folder):
-        """What a folder holds: "complete", a checkpoint of this file (with its record); "plain", a plain DeepSpeed
-        checkpoint (its model states and none of this file's files, as OpenRLHF's own strategy writes);
-        "incomplete", one of this file's without its record (a save that stopped); else None."""
-        if os.path.isfile(os.path.join(folder, DONE_FILE)):
-            return "complete"
-        if not any(os.path.isfile(os.path.join(folder, model_states_file(stage))) for stage in (0, 3)):
-            return None
-        return "incomplete" if os.path.exists(os.path.join(folder, RNG_FILE.format(rank=0))) else "plain"
-
-    def _completed_at(self, folder) -> float:
-        """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
-        names = [DONE_FILE, model_states_file(0), model_states_file(3)]
-        return next(os.path.getmtime(p) for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p))
 
     def _saved_metric(self, folder):
         """The metric_value a checkpoint was saved with, or None: from its record, or from OpenRLHF's metric.json
@@ -1065,12 +1168,6 @@ class Checkpoints:
             return None
         return value if math.isfinite(value) else None
 
-    def _delete_checkpoint(self, save_dir, name) -> None:
-        record = os.path.join(save_dir, name, DONE_FILE)
-        if os.path.isfile(record):
-            os.remove(record)  # first: a half-deleted folder is not complete
-        shutil.rmtree(os.path.join(save_dir, name))
-
     # ---------------------------------------------------------------------------------------------------------
     # Loading
 
@@ -1080,9 +1177,13 @@ class Checkpoints:
         """Load a checkpoint into a prepared engine and restore this rank's random generators; returns (load_path,
         client_state), or (None, {}) when load_dir holds no checkpoint at all (a run that starts afresh). All ranks
         must call it. In order:
-        1. Choose: with tag None latest's checkpoint, or if that fails the newest one that passes, saying so; a
-           named tag that fails raises on every rank. A candidate's files are checked before it is taken, on every
-           rank: sizes, contents and the CRCs of their records, the work spread over the ranks.
+        1. Choose. A tag names its checkpoint (<tag>.saving where that holds a record: the newer). With tag None:
+           the one latest names, saying so where another checkpoint is newer (saved with save_latest=False, or
+           latest set back by hand: latest wins); without latest the newest of this file's checkpoints, also
+           saying so (plain DeepSpeed ones alone are refused, naming them: nothing says which is newest). A
+           candidate that fails its check gives way to the newest that passes, saying why; a named tag that fails
+           raises on every rank. A candidate's files are checked before it is taken, on every rank: sizes, contents
+           and the CRCs of their records, the work spread over the ranks.
         2. Check the model: another model (names or shapes) is refused while load_module_strict holds; without it,
            the tensors that match by name and shape load, the rest keep their values, and rank 0 lists both.
         3. Load: DeepSpeed's own load where the engine trains in the saving run's shape (bit-exact), else the
@@ -1091,8 +1192,9 @@ class Checkpoints:
            masters the next step starts from are written too. An eval engine (prepare(model)) loads the weights
            alone, whatever load_module_only says.
         4. Restore the random generators (also with load_module_only).
-        A checkpoint without save_ckpt's record (a plain DeepSpeed one, as OpenRLHF's strategy writes) loads only
-        in its own shape, through DeepSpeed's load, with a warning that nothing could be verified.
+        A checkpoint without save_ckpt's record (a plain DeepSpeed one, as OpenRLHF's strategy writes) loads in its
+        own shape, through DeepSpeed's load, with a warning that nothing could be verified; its weights alone
+        (load_module_only, an eval engine) load in any shape where it was saved below ZeRO 3.
 
         Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
         crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
@@ -1103,7 +1205,7 @@ class Checkpoints:
             parent, tag = os.path.split(os.path.normpath(load_dir))
             why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
             problem = f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)"
-            seen = self._holds(load_dir) is not None
+            seen = self._kind(*os.path.split(os.path.normpath(load_dir))) is not None
             self._raise_on_every_rank(problem if seen else None, ValueError)  # on every rank, seen or not
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
@@ -1119,16 +1221,26 @@ class Checkpoints:
         native = saved_shape == self._run_shape() and mismatch is None and trains and not load_module_only
         # DeepSpeed's load pairs the optimizer's groups by position: groups listed in another order go to the reader.
         native = native and done["groups"] in (None, getattr(engine, "param_group_names", None))
-        if done.get("unverified"):  # a plain DeepSpeed checkpoint: only DeepSpeed's load reads it
-            why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint) and loads only as saved"
-            fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
-            problem = None if native else f"{why}: {fix}"
-            if native and self._grouped_otherwise(done["plain_groups"]):  # DeepSpeed's load pairs them by position
+        # A plain DeepSpeed checkpoint saved below ZeRO 3 holds the whole module in its model states: its weights
+        # load into any engine. Everything else of it, only DeepSpeed's own load reads.
+        weights_only = load_module_only or not trains
+        plain_weights = done.get("unverified") and weights_only and done["zero_stage"] < 3
+        if done.get("unverified"):
+            why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint)"
+            problem = None
+            if weights_only and not plain_weights:
+                where = "saved at ZeRO 3, it keeps its weights in DeepSpeed's optimizer files"
+                fix = "resume it whole in its own shape (load_module_only=False), call save_ckpt, and load that"
+                problem = f"{why}: {where}, which only DeepSpeed's full load reads: {fix}"
+            elif not native and not plain_weights:
+                fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
+                problem = f"{why} loads only in the shape it was saved in: {fix}"
+            elif native and self._grouped_otherwise(done["plain_groups"]):  # DeepSpeed's load pairs them by position
                 groups = f"saved {done['plain_groups']}, here {self.engine.param_group_names}"
                 problem = f"checkpoint {ckpt_dir}'s optimizer groups hold other parameters than this run's: {groups}"
                 problem += "; build the optimizer's groups as the saving run did (OpenRLHF: by parameter name)"
             self._raise_on_every_rank(problem, ValueError)
-            self.print(f"warning: {why}; loading it with DeepSpeed's own load, unverified (no sizes or CRCs)")
+            self.print(f"warning: {why}; loading it unverified (no sizes or CRCs)")
         elif not native and done["groups"] is None:
             why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
             self._raise_on_every_rank(why, ValueError)
@@ -1136,7 +1248,12 @@ class Checkpoints:
         rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.rank))
         reader, error = None, None
         try:
-            if native:  # DeepSpeed's own load, bit-exact
+            if plain_weights:
+                load_path = os.path.join(ckpt_dir, model_states_file(0))
+                client_state = torch.load(load_path, map_location="cpu", mmap=True, weights_only=False)
+                self._load_state_dict(client_state["module"], load_module_strict, source=load_path)
+                self._load_engine_state(engine, client_state, False, True, None)
+            elif native:  # DeepSpeed's own load, bit-exact
                 load_path, client_state = engine.load_checkpoint(
                     load_dir, folder, load_module_strict, load_optimizer_states, load_lr_scheduler_states
                 )
@@ -1165,35 +1282,48 @@ class Checkpoints:
         return load_path, client_state
 
     def _choose_checkpoint(self, load_dir, tag):
-        """(folder, record) of the checkpoint to load, checked on every rank, or (None, None) if tag is None and
-        load_dir holds none. With tag None: the one latest names, else the newest that passes; a named tag that
-        fails, or checkpoints that all fail, raise on every rank."""
+        """(folder, record) of the checkpoint to load, checked on every rank, or (None, None) where tag is None and
+        load_dir holds no checkpoint: load's step 1."""
+        found = self._checkpoints(load_dir)  # {tag: (folder, kind)}, oldest first
+        latest, problem = self._read_latest(load_dir), None
         candidates = [str(tag)]
-        if tag is None:  # latest's checkpoint first, then the complete ones, newest first
-            latest = self._read_latest(load_dir)
-            complete = [name for name in reversed(self._complete_checkpoints(load_dir)) if name != latest]
-            if latest is None and complete:
-                self.print(f"{load_dir} has no 'latest' file: resuming from its newest complete one, {complete[0]}")
-            candidates = ([latest] if latest is not None else []) + complete
+        if tag is None:  # latest's checkpoint first, then this file's checkpoints, newest first
+            ours = [name for name, (_, kind) in reversed(found.items()) if kind == "checkpoint" and name != latest]
+            candidates = ([latest] if latest is not None else []) + ours
+            if not candidates and found:
+                why = f"load_ckpt found plain DeepSpeed checkpoints in {load_dir} ({', '.join(found)}) but no {LATEST}"
+                fix = f"pass tag=, or write the tag to resume into {os.path.join(load_dir, LATEST)}"
+                problem = f"{why}, and nothing they hold says which is newest: {fix}"
+        self._raise_on_every_rank(problem, ValueError)
         problems = []  # (error type, why) of each candidate that failed, newest first
         # One list for every rank, since each candidate's check is collective: that of the first rank that sees any.
         for name in self._first_of_ranks(candidates) or []:
-            done, problem = self._check_checkpoint(load_dir, name)
+            folder = found.get(name, (name,))[0]
+            done, problem = self._check_checkpoint(load_dir, folder)
             if problem is None:
+                newer = list(found)[list(found).index(name) + 1 :] if name in found else []
                 if problems:
                     self.print(f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes")
-                return name, done
+                elif tag is None and latest is None:
+                    self.print(f"{load_dir} has no {LATEST!r} file: resuming from its newest checkpoint, {name}")
+                elif tag is None and newer:
+                    why = "saved with save_latest=False, cut short before latest was written, or latest set back"
+                    also = f"tag={newer[-1]!r} resumes that one"
+                    self.print(
+                        f"{load_dir}: resuming {name}, as latest says, though {newer[-1]} is newer ({why}); {also}"
+                    )
+                return folder, done
             problems.append(problem)
         if not problems:
             return None, None
         error_type, why = problems[0]
         raise error_type(why if len(problems) == 1 else f"{why}; and {len(problems) - 1} older ones fail too")
 
-    def _check_checkpoint(self, load_dir, tag):
-        """(record, problem): the record of the checkpoint load_dir/tag, with problem None if it passes, else
+    def _check_checkpoint(self, load_dir, folder):
+        """(record, problem): the record of the checkpoint load_dir/folder, with problem None if it passes, else
         (error type, why), alike on every rank. Every rank checks that each file is there at its saved size and
         content, and the CRCs of its share of the files' records (torch.load checks none)."""
-        path, problem = os.path.join(load_dir, tag), None
+        path, problem = os.path.join(load_dir, folder), None
         if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
             if done is None:
@@ -1203,7 +1333,7 @@ class Checkpoints:
             if done is None:
                 what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
                 why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
-                fix = f"load an earlier tag, or tag=None, which also finds a complete {tag}{STAGING} if any"
+                fix = "load an earlier tag, or tag=None"
                 problem = (FileNotFoundError, f"{what}: {why}; {fix}")
         if done is not None:
             # What older releases did not record: the shape is taken to be this run's, and the model to match.
@@ -1226,7 +1356,7 @@ class Checkpoints:
         """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
         model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits. None
         unless path holds DeepSpeed's files and none of save_ckpt's (not one of save_ckpt's that lost its record)."""
-        if self._holds(path) != "plain":
+        if self._kind(*os.path.split(path)) != "plain":
             return None
         name = next(n for n in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, n)))
         states = torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=False)
@@ -1325,7 +1455,14 @@ class Checkpoints:
         random.setstate(states["python"])
         torch.set_rng_state(states["torch"])
         numpy.random.set_state(states["numpy"])  # numpy takes the generator's keys as a list too
-        if "device" in states:
+        here = get_accelerator().device_name()
+        # Older releases saved the device's generator, unnamed, off the CPU alone. On the CPU, torch's is the device's.
+        saved_on = states.get("device_type", here if "device" in states else "cpu")
+        if saved_on != here:  # a CUDA state on a CPU, or none for this GPU: a seed of its own, as for a new rank
+            if here != "cpu":
+                get_accelerator().manual_seed(self.strategy.seed + 1000 * self.engine.global_steps + self.rank)
+            self.print(f"the checkpoint's {saved_on} generator cannot go on on {here}: {here}'s is seeded anew")
+        elif here != "cpu":
             get_accelerator().set_rng_state(states["device"])
 
     # ---------------------------------------------------------------------------------------------------------
@@ -1334,26 +1471,44 @@ class Checkpoints:
     def save_model(self, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights (gathered at ZeRO 3) to output_dir: pytorch_model.bin, or through the model's
         save_pretrained(output_dir, state_dict=...) when it has one, with a tokenizer's save_pretrained beside it.
-        The keys are module.state_dict()'s and tied tensors stay tied; rank 0 writes each file under a temporary
-        name and renames it. All ranks must call it. With load_model, the safe way to exchange weights."""
-        module = self.module
+        The keys are module.state_dict()'s and tied tensors stay tied. All ranks must call it; a failure on rank 0
+        raises on every rank. With load_model, the safe way to exchange weights."""
         state_dict = self._full_state_dict()  # collective at ZeRO 3
+        caught = None
         if self.rank == 0:
-            os.makedirs(output_dir, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)  # same filesystem, so renames are atomic
             try:
-                if hasattr(module, "save_pretrained"):
-                    module.save_pretrained(staging, state_dict=state_dict, **kwargs)
-                else:
-                    torch.save(state_dict, os.path.join(staging, "pytorch_model.bin"))
-                if hasattr(tokenizer, "save_pretrained"):
-                    tokenizer.save_pretrained(staging)
-                for name in os.listdir(staging):
-                    os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()
+                self._write_weights(state_dict, tokenizer, output_dir, kwargs)
+            except Exception as error:
+                caught = error
+        self._raise_on_every_rank(caught)
+
+    def _write_weights(self, state_dict, tokenizer, output_dir, kwargs) -> None:
+        """Rank 0's part of save_model. The files are written into a folder beside output_dir, which then takes
+        output_dir's place by two renames (an older output_dir's other files moved over before the old one goes):
+        cut short anywhere, output_dir holds one save's weights, never some of each."""
+        output_dir = os.path.normpath(output_dir)
+        parent, name = os.path.split(output_dir)
+        os.makedirs(parent or ".", exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f"{name}.saving-", dir=parent or ".")  # same filesystem: renames
+        try:
+            if hasattr(self.module, "save_pretrained"):
+                self.module.save_pretrained(staging, state_dict=state_dict, **kwargs)
+            else:
+                torch.save(state_dict, os.path.join(staging, "pytorch_model.bin"))
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(staging)
+            if not os.path.exists(output_dir):
+                os.rename(staging, output_dir)
+                return
+            old = tempfile.mkdtemp(prefix=f"{name}.replaced-", dir=parent or ".")
+            os.rename(output_dir, os.path.join(old, name))
+            os.rename(staging, output_dir)
+            for entry in os.listdir(os.path.join(old, name)):  # what the new save did not write stays
+                if not os.path.lexists(os.path.join(output_dir, entry)):
+                    os.rename(os.path.join(old, name, entry), os.path.join(output_dir, entry))
+            shutil.rmtree(old)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _full_state_dict(self) -> dict:
         """module.state_dict() as full CPU tensors on rank 0 ({} elsewhere): every key, also of a module under two
@@ -1365,16 +1520,17 @@ class Checkpoints:
         for submodule in module.modules():
             params = list(submodule.parameters(recurse=False))
             # At ZeRO 3 a submodule's full weights exist only inside the gather; below ZeRO 3 it does nothing.
-            # Clone: at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save would write whole.
+            # A copy (one, from a GPU): at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save
+            # would write whole.
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 if self.rank == 0:
-                    copies.update({id(p): p.detach().cpu().clone() for p in params if id(p) not in copies})
+                    copies.update({id(p): p.detach().to("cpu", copy=True) for p in params if id(p) not in copies})
         if not self.rank == 0:
             return {}
         state_dict = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if id(value) not in copies:  # a buffer: the loop above copied every parameter
-                copies[id(value)] = value.detach().cpu().clone()  # a copy, not the live buffer
+                copies[id(value)] = value.detach().to("cpu", copy=True)  # a copy, not the live buffer
             state_dict[key] = copies[id(value)]
         return state_dict
 
@@ -1389,20 +1545,28 @@ class Checkpoints:
         zero3 = any(hasattr(p, "ds_id") for p in self.module.parameters())  # partitioned
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         folder, name = os.path.split(os.path.abspath(path))
+        size = os.path.getsize(path) if os.path.isfile(path) else -1  # -1: the check names it missing
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
-        problem = self._damaged_files(folder, {name: os.path.getsize(path)}, {}, rank, world_size) if zipped else None
+        problem = self._damaged_files(folder, {name: size}, {}, rank, world_size) if zipped or size < 0 else None
         if zero3:
             problem = self._first_of_ranks(problem)
         if problem:
             raise ValueError(f"refusing to load {path}: {problem}")
+        caught = None
         try:  # memory-mapped where the format allows: a tensor is read only where it is used
             state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipped)
+            if key_replace_fn is not None:
+                state_dict = key_replace_fn(state_dict)
+            self._load_state_dict(state_dict, strict, source=path)
         except pickle.UnpicklingError as error:
             why = "it holds Python objects besides tensors, and unpickling them could run code: load a state dict"
-            raise ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}") from None
-        if key_replace_fn is not None:
-            state_dict = key_replace_fn(state_dict)
-        self._load_state_dict(state_dict, strict, source=path)
+            caught = ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}")
+        except Exception as error:
+            caught = error
+        if isinstance(self.engine, deepspeed.DeepSpeedEngine) or zero3:  # every rank calls it: share a failure
+            self._raise_on_every_rank(caught)
+        elif caught:
+            raise caught
 
     def _load_state_dict(self, state_dict, strict, source) -> None:
         """Write state_dict into model's tensors, at ZeRO 3 each rank only its own partition (there

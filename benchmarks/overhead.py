@@ -32,7 +32,6 @@ RAW_CONFIG = {
     "zero_optimization": {
         "stage": 2,
         "offload_optimizer": {"device": "none", "pin_memory": True},
-        "overlap_comm": False,
         "stage3_gather_16bit_weights_on_model_save": True,
     },
     "bf16": {"enabled": False},

@@ -824,9 +824,12 @@ class Checkpoints:
         problem = self._start(save_dir, tag) if self.rank == 0 else None
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
-        problem = self._first_of_ranks(self._write_own_files(save_dir, tag, client_state or {}))
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, self._write_own_files(save_dir, tag, client_state or {}))
+        problem = next((failed for failed, _ in every_rank if failed), None)
         if problem is None and self.rank == 0:  # one writer for every shared file
-            problem = self._commit(save_dir, tag, save_latest, metric)
+            files = {name: spec for _, written in every_rank for name, spec in written.items()}
+            problem = self._commit(save_dir, tag, save_latest, metric, files)
         problem = self._first_of_ranks(problem)
         if problem:  # nothing is committed: give the space back, the record first so no half is ever complete
             if self.rank == 0:
@@ -973,13 +976,15 @@ class Checkpoints:
         return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
     def _write_own_files(self, save_dir, tag, client_state):
-        """Write this rank's files of the checkpoint into <tag>.saving; returns None, or what failed. DeepSpeed writes
+        """Write this rank's files of the checkpoint into <tag>.saving; returns (what failed or None, {name: [size,
+        records digest]} of the files it wrote, which rank 0's record lists: rank 0's own listing of a shared
+        folder can miss another node's files for a while, as NFS's attribute cache does). DeepSpeed writes
         every file through its checkpoint engine's save(state_dict, path): this wraps that method (and the one copy
         DeepSpeed makes without it) so that each write is also made durable (fsync), and a failure is noted, and
         the writes after it skipped, instead of raised. Raised, it would take this rank out of the barriers inside
         DeepSpeed's save_checkpoint while the others wait there until the process group's timeout; noted, it
         reaches every rank at the agreement after the save."""
-        engine, staging, failed = self.engine, os.path.join(save_dir, tag + STAGING), []
+        engine, staging, failed, written = self.engine, os.path.join(save_dir, tag + STAGING), [], {}
         writer = engine.checkpoint_engine
         write = writer.save
 
@@ -993,6 +998,7 @@ class Checkpoints:
         def write_durably(state_dict, path):  # on the disk, not only in the page cache, before rank 0 commits
             write(state_dict, path)
             self._fsync(path)
+            written[os.path.basename(path)] = [os.path.getsize(path), self._records_digest(path)]
 
         writer.save = lambda state_dict, path: attempt(path, write_durably, state_dict, path)
         # The copy DeepSpeed makes without its writer: at ZeRO 1-3 rank 0 copies its scripts zero_to_fp32.py and
@@ -1008,7 +1014,7 @@ class Checkpoints:
         finally:
             del writer.save, engine._copy_recovery_script  # the methods of DeepSpeed's classes again
         if not failed:
-            return None
+            return None, written
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
         path, error = failed[0]
         why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
@@ -1016,7 +1022,7 @@ class Checkpoints:
         if limit != resource.RLIM_INFINITY:
             why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
         where = f"on rank {self.rank} ({socket.gethostname()}) writing {path}"
-        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged"
+        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged", written
 
     def _get_rng_states(self) -> dict:
         # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
@@ -1036,14 +1042,12 @@ class Checkpoints:
         finally:
             os.close(fd)
 
-    def _commit(self, save_dir, tag, save_latest, metric):
+    def _commit(self, save_dir, tag, save_latest, metric, files):
         """On rank 0, once every rank's files are durable: write the record into <tag>.saving, then latest. Returns
         None, or what failed (the caller then removes <tag>.saving, so nothing has changed)."""
         staging = os.path.join(save_dir, tag + STAGING)
         try:
-            self._write_atomically(
-                os.path.join(staging, DONE_FILE), json.dumps(self._record(staging, metric), indent=1)
-            )
+            self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(self._record(metric, files), indent=1))
             self._fsync(save_dir)  # <tag>.saving's own name, too, survives a power cut
             if save_latest:
                 self._write_atomically(os.path.join(save_dir, LATEST), tag)
@@ -1052,16 +1056,16 @@ class Checkpoints:
             return f"{why}; the checkpoint before it is unchanged"
         return None
 
-    def _record(self, staging, metric) -> dict:
+    def _record(self, metric, files) -> dict:
         """The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
         ZeRO 0 checkpoint keys Adam's state by position alone), the metric, every file's size and contents."""
         done = self._run_shape()
         done["tensors"] = self._tensor_shapes(self.module)
         done["groups"] = getattr(self.engine, "param_group_names", None)
         done["metric"] = metric  # {key, value} or None: rotation ranks by it, and it is durable with the rest
-        done["files"] = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
+        done["files"] = {name: size for name, (size, _) in sorted(files.items())}
         # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
-        done["contents"] = {name: self._records_digest(os.path.join(staging, name)) for name in done["files"]}
+        done["contents"] = {name: digest for name, (_, digest) in sorted(files.items())}
         done["crc"] = self._record_crc(done)  # the record's own, so a damaged record is told from a missing one
         return done
 
@@ -1372,37 +1376,41 @@ class Checkpoints:
     def _damaged_files(self, folder, sizes, contents, rank, world_size):
         """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
         ({name: bytes}) is there at its size and holds the records contents names ({name: _records_digest}, where
-        recorded), then the CRCs of its share of the files' records: every world_size-th record, from the rank-th on,
-        counted over all the files (every rank's optimizer file has the same records, so a count per file would send
-        the large ones to the same ranks). torch.save writes a zip archive, each tensor a record stored
-        uncompressed with its CRC: this computes each CRC straight from the memory-mapped file."""
-        record = -1  # the index of each record, counted over all the files
-        for name, size in sizes.items():
-            path = os.path.join(folder, name)
-            found = os.path.getsize(path) if os.path.isfile(path) else None
-            if found != size:
-                state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                return f"{path} {state} on {socket.gethostname()}"
-            try:
-                with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-                    if contents.get(name) not in (None, self._records_digest(path)):
-                        why = "its records differ; copied from another?"
-                        return f"{path} is not the file this checkpoint saved ({why})"
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
-                        for info in archive.infolist():
-                            record += 1
-                            if record % world_size == rank:  # this rank's share
-                                # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the
-                                # lengths of the name and the extra field that come next.
-                                name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
-                                start = info.header_offset + 30 + name_length + extra_length
-                                crc = zlib.crc32(view[start : start + info.compress_size])
-                                if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
-                                    return f"{name} is damaged (record {info.filename!r} says it is compressed)"
-                                if crc != info.CRC:
-                                    return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
-            except (OSError, ValueError, NotImplementedError, struct.error, zipfile.BadZipFile) as error:
-                return f"{name} is damaged ({error})"
+        recorded), then the CRCs of its share of the files' records: those starting in its world_size-th of all the
+        records' bytes, counted over all the files (ZeRO's files hold a few huge records, so shares by count could
+        give one rank most of the bytes). torch.save writes a zip archive, each tensor a record stored uncompressed
+        with its CRC: this computes each CRC straight from the memory-mapped file."""
+        archives, seen = [], 0  # seen: the bytes of the records before this one, over all the files
+        try:
+            for name, size in sizes.items():
+                path = os.path.join(folder, name)
+                found = os.path.getsize(path) if os.path.isfile(path) else None
+                if found != size:
+                    state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
+                    return f"{path} {state} on {socket.gethostname()}"
+                if contents.get(name) not in (None, self._records_digest(path)):
+                    return f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
+                with zipfile.ZipFile(path) as archive:
+                    archives.append((name, path, archive.infolist()))
+            total = sum(info.compress_size for _, _, infos in archives for info in infos)
+            for name, path, infos in archives:
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    with memoryview(data) as view:
+                        for info in infos:
+                            mine = min(world_size - 1, seen * world_size // max(total, 1)) == rank
+                            seen += info.compress_size
+                            if not mine:
+                                continue
+                            if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
+                                return f"{name} is damaged (record {info.filename!r} says it is compressed)"
+                            # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the lengths
+                            # of the name and the extra field that come next.
+                            name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
+                            start = info.header_offset + 30 + name_length + extra_length
+                            if zlib.crc32(view[start : start + info.compress_size]) != info.CRC:
+                                return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
+        except (OSError, ValueError, NotImplementedError, struct.error, zipfile.BadZipFile) as error:
+            return f"{name} is damaged ({error})"
         return None
 
     def _model_mismatch(self, saved, here, ckpt_dir):
@@ -1748,16 +1756,14 @@ class ReshapingReader:
         params, trained = dict(self.engine.module.named_parameters()), self.trained_names()
         ends = [name for names in self.engine.param_group_names for name in (names[0], names[-1])]
         for name in [n for n in dict.fromkeys(ends) if n in trained and n in loadable]:
-            param = params[name]
-            read_back = {"value": safe_get_full_fp32_param(param)}
-            keys = MOMENTS if optimizer_states else ()  # the fp32 master, and with the optimizer's state Adam's moments
-            for key in keys:
-                read_back[key] = safe_get_full_optimizer_state(param, key)
-            for key, got in read_back.items():
+            # The fp32 master, and with the optimizer's state Adam's moments: one full copy at a time on the device.
+            for key in ("value", *MOMENTS) if optimizer_states else ("value",):
+                param = params[name]
+                got = safe_get_full_fp32_param(param) if key == "value" else safe_get_full_optimizer_state(param, key)
                 if got is None or (name, key) not in self.saved.pieces:
                     continue
-                want = read_elements(self.saved.pieces[name, key], 0, got.numel())
-                if not torch.equal(got.detach().float().flatten().cpu(), want.float()):
+                got = got.detach().float().flatten().cpu()  # from here on the device holds no copy
+                if not torch.equal(got, read_elements(self.saved.pieces[name, key], 0, got.numel()).float()):
                     why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
                     fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
                     return f"checkpoint {self.ckpt_dir} loaded in another shape, but {why}: {fix}; do not train on"

@@ -58,6 +58,7 @@ import inspect
 import io
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -70,7 +71,9 @@ import sys
 import time
 import traceback
 import types
+import warnings
 import zipfile
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
@@ -84,6 +87,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+import get_strategy as get_strategy_module
 from get_strategy import DONE_FILE, Checkpoints, DeepspeedStrategy, get_strategy
 from get_strategy import _free_port as free_port
 
@@ -518,6 +522,37 @@ def test_num_workers_loads_the_same_batches_in_the_same_order_in_worker_processe
     assert [batch.tolist() for (batch,) in in_workers] == [batch.tolist() for (batch,) in in_main]
 
 
+class Draws(torch.utils.data.Dataset):
+    """Each sample its index and one random number drawn as it loads, as an augmentation draws."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index), torch.rand(()).item()])
+
+
+def test_a_restored_loader_keeps_the_order_and_without_workers_a_random_datasets_draws_too():
+    """What setup_dataloader's docstring and the README claim: with num_workers > 0 only the order is kept (torch
+    seeds each worker once per pass, and batch i goes to worker i % num_workers); without workers the draws come
+    from the generator load_ckpt restores, here restored by hand."""
+    strategy, kept = get_strategy(argparse.Namespace(zero_stage=0)), {}
+    for workers in (0, 2):
+        torch.manual_seed(0)
+        loader = strategy.setup_dataloader(Draws(), 2, num_workers=workers)
+        batches = iter(loader)
+        next(batches), next(batches)
+        state, generator = loader.state_dict(), torch.get_rng_state()
+        uninterrupted = list(batches)
+        restored = strategy.setup_dataloader(Draws(), 2, num_workers=workers)
+        restored.load_state_dict(state)
+        torch.set_rng_state(generator)
+        resumed = list(restored)
+        order = [batch[:, 0].tolist() for batch in resumed] == [batch[:, 0].tolist() for batch in uninterrupted]
+        kept[workers] = (order, all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True)))
+    assert kept == {0: (True, True), 2: (True, False)}
+
+
 def loader_round_trips(strategy, samples, shuffle, set_epoch, consumed_samples, passes=3):
     """(trips, epochs) of the strategy's loaders of `samples` samples in batches of 2. For every moment a trainer
     can take a loader's state_dict() (before the first batch, after each batch, after each pass): the batches the
@@ -684,6 +719,23 @@ def test_the_ranks_shares_of_the_crc_check_cover_every_record_once(tmp_path):
             assert "b.pt is damaged (Bad CRC-32" in next(f for f in found if f)
 
 
+def test_the_ranks_share_the_crc_check_by_bytes_so_each_huge_record_goes_to_another_rank(tmp_path, monkeypatch):
+    """Two files of one huge record and a few small ones each, as two ranks' ZeRO optimizer files: shared by count,
+    both huge records could fall to one rank, which would then read almost every byte."""
+    strategy = DeepspeedStrategy(zero_stage=2)
+    for name in ("a.pt", "b.pt"):
+        torch.save({"huge": torch.randn(100_000), **{f"small{i}": torch.randn(8) for i in range(3)}}, tmp_path / name)
+    sizes = {name: (tmp_path / name).stat().st_size for name in ("a.pt", "b.pt")}
+    read, crc32 = [], zlib.crc32
+    monkeypatch.setattr(get_strategy_module.zlib, "crc32", lambda data, *a: read.append(len(data)) or crc32(data, *a))
+    shares = []
+    for rank in range(2):
+        read.clear()
+        assert Checkpoints(strategy, None)._damaged_files(str(tmp_path), sizes, {}, rank, 2) is None
+        shares.append(sum(read))
+    assert min(shares) > 0.4 * sum(shares), shares  # each rank about half: one huge record each
+
+
 def test_damage_to_the_zip_structure_of_a_file_is_named_by_the_crc_check_never_raised(tmp_path):
     """Bytes torch.save's zip writer puts around the tensors, damaged: the largest record's compression method or
     compressed size in the central directory, or its local header's extra-field length. Each is named as damage
@@ -822,24 +874,6 @@ def test_all_reduce_refuses_an_op_it_does_not_implement_instead_of_summing(clean
 
 
 @pytest.mark.full
-def test_sigusr1_stops_a_run_like_sigterm(clean_launch_env):
-    from train_example import Preemption
-
-    strategy = get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))
-    strategy.setup_distributed()
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # where it lands if the example does not listen
-    try:
-        preemption = Preemption(strategy)
-        assert preemption.received() == 0
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert preemption.received() == signal.SIGUSR1
-        assert preemption.received() == signal.SIGUSR1  # it stays set
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-
-
 @pytest.mark.full
 def test_a_frozen_model_marked_offload_becomes_an_eval_engine_whose_weights_deepspeed_keeps_in_cpu_memory(
     clean_launch_env,
@@ -1109,6 +1143,9 @@ def save_dir_states(tmp_path_factory):
             strategy.save_ckpt, engine, str(rolling), tag="last", client_state={"f": lambda: None}
         )
         got["after_resave_fails"] = (listing(rolling), loaded(rolling)[:2])
+        # The record lists the files each rank reported writing: every file of the folder, no more.
+        record = json.loads((rolling / "last" / DONE_FILE).read_text())
+        got["record_files"] = (sorted(record["files"]), sorted(set(os.listdir(rolling / "last")) - {DONE_FILE}))
         # b. A tag whose folder is no checkpoint: save_model's output, then a checkpoint under its name.
         strategy.save_model(engine, None, str(out / "model" / "final"))
         got["not_a_checkpoint"] = error_of(strategy.save_ckpt, engine, str(out / "model"), tag="final")
@@ -1200,6 +1237,11 @@ def test_a_failed_save_of_the_tag_a_run_resumed_from_never_removes_that_checkpoi
     assert got["resave_fails"].startswith("RuntimeError: save_ckpt failed on rank 0"), got["resave_fails"]
     listing, resumed = got["after_resave_fails"]
     assert listing == ["last", "latest"] and resumed == ("last", 1), got["after_resave_fails"]
+
+
+def test_the_record_lists_every_file_the_ranks_wrote_and_only_those(save_dir_states):
+    recorded, in_the_folder = save_dir_states["record_files"]
+    assert recorded == in_the_folder and "mp_rank_00_model_states.pt" in recorded, (recorded, in_the_folder)
 
 
 def test_a_tag_whose_folder_is_no_checkpoint_is_refused_before_anything_is_written(save_dir_states):
@@ -2628,6 +2670,182 @@ def test_zero3_weights_load_into_plain_torch_and_give_the_reported_held_out_loss
 
 
 # =============================================================================================================
+# A step counts optimizer steps, whatever the batch (issue 39 i)
+
+
+@pytest.mark.full
+def test_a_run_resumed_on_three_ranks_with_the_default_batch_saves_where_it_says_and_follows_its_schedule(
+    tmp_path,
+):
+    """Two ranks take the default batch 32, three take 36 (32 rounded up to whole micro-steps of 2 x 3): a step is
+    an optimizer step in both, so the resumed run goes on from step 4, saves global_step<step> and its learning rate
+    at each step is the schedule's at that step."""
+    default_batch = [flag for flag in TINY if flag != "--train_batch_size"]
+    default_batch.remove("8")  # --train_batch_size's value; no other flag of TINY is 8
+    flags = [*default_batch, "--zero_stage", "2", "--ckpt_path", str(tmp_path / "ckpt")]
+    run_example(torchrun("train_example.py", *flags, "--stop_at_step", "4", ranks=2))
+    resumed = run_example(torchrun("train_example.py", *flags, "--load_checkpoint", "--save_steps", "2", ranks=3))
+    assert "3 ranks x 6 accumulation steps" in resumed and "at step 4" in resumed, resumed[-3000:]
+    assert sorted(losses(resumed, "train")) == [5, 6, 7, 8]
+    assert "final held-out loss" in resumed
+    saved = re.findall(r"step +(\d+) \| checkpoint (\S+): ", resumed)
+    assert [step for step, _ in saved] == ["6", "8"], saved
+    for step, folder in saved:
+        assert folder == str(tmp_path / "ckpt" / f"global_step{step}")
+        assert os.path.isfile(os.path.join(folder, "checkpoint_complete.json")), folder
+
+    # The schedule by hand, from TINY's flags: peak 1e-2, 2 warmup steps, cosine to 0.1 x peak at step 8.
+    def lr_after(step):
+        progress = (step - 2) / (8 - 2)
+        return 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    logged = re.findall(r"step +(\d+) \| train loss [\d.]+ \| lr ([\d.e+-]+)", resumed)
+    assert [int(step) for step, _ in logged] == [5, 6, 7, 8]
+    for step, lr in logged:
+        assert float(lr) == pytest.approx(lr_after(int(step)), rel=1e-3), (step, lr)  # printed to 4 digits
+
+
+def test_the_example_resumed_with_another_batch_goes_on_at_the_same_sample_and_resumes_again_exactly():
+    """Ten samples, one rank: 3 steps of 4, then (a resume) 1 step of 6, then (another resume) 2 steps of 6. Each
+    epoch is cut to whole steps of the batch it is trained with; the order is torch's seeded permutation of the
+    epoch, computed here by hand."""
+    from train_example import micro_batches
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+
+    def steps(batch, count, position=None):
+        """The samples of count steps of batch (micro-batches of 2) from position; and the position after them."""
+        loader = DeepspeedStrategy(zero_stage=0, seed=42).setup_dataloader(dataset, 2)  # no process group: one rank
+        if position is not None:
+            loader.load_state_dict(position)
+        batches = micro_batches(loader, types.SimpleNamespace(train_batch_size=batch, accumulated_gradient=batch // 2))
+        taken = [torch.cat([next(batches)[0] for _ in range(batch // 2)]).tolist() for _ in range(count)]
+        return taken, loader.state_dict()
+
+    def epoch(e):
+        return torch.randperm(10, generator=torch.Generator().manual_seed(42 + e)).tolist()
+
+    first, position = steps(4, 3)
+    assert first == [epoch(0)[0:4], epoch(0)[4:8], epoch(1)[0:4]]  # epoch 0 holds two steps of 4
+    second, position = steps(6, 1, position)
+    assert second == [epoch(1)[4:10]]  # on at the same sample: one step of 6 fits in what epoch 1 has left
+    third, _ = steps(6, 2, position)
+    assert third == [epoch(2)[0:6], epoch(3)[0:6]]  # epoch 2 holds one step of 6
+    uninterrupted, _ = steps(6, 3, steps(4, 3)[1])
+    assert second + third == uninterrupted
+
+
+# =============================================================================================================
+# The example on a GPU: pinned batches, copied without blocking, and no host sync per step (issue 38 item 7)
+
+
+@pytest.mark.usefixtures("clean_launch_env")
+def test_the_preemption_check_answers_with_the_previous_steps_reduction_so_the_host_never_waits_for_the_step_under_way():
+    """Reading the reduction a call starts would make the host wait for the device to finish the step just queued;
+    reading the previous call's does not. So a signal (SIGUSR1 here, like SIGTERM) is answered one call later, on
+    every rank alike, and stays set."""
+    from train_example import Preemption
+
+    strategy = get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))
+    strategy.setup_distributed()
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # where it lands if the example does not listen
+    try:
+        preemption = Preemption(strategy)
+        assert preemption.received() == 0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.received() == 0  # the reduction it answers with was started before the signal
+        assert preemption.received() == signal.SIGUSR1
+        assert preemption.received() == signal.SIGUSR1  # it stays set
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+class LoaderSetUp(Exception):
+    """Raised to end main() once its train loader is set up."""
+
+
+class NamedAccelerator:
+    """DeepSpeed's accelerator under another name: the name alone changes, every call goes to the real one."""
+
+    def __init__(self, accelerator, name):
+        self.accelerator, self.name = accelerator, name
+
+    def device_name(self, device_index=None):
+        return self.name
+
+    def __getattr__(self, attribute):
+        return getattr(self.accelerator, attribute)
+
+
+class CopyRecorder(torch.Tensor):
+    """A batch tensor that notes the non_blocking of each copy made of it."""
+
+    copies = []
+
+    def to(self, *args, **kwargs):
+        CopyRecorder.copies.append(kwargs.get("non_blocking", False))
+        return super().to(*args, **kwargs).as_subclass(torch.Tensor)
+
+
+def run_example_in_process(accelerator_name, stop_at_loader):
+    """main() of train_example.py on TINY for 2 steps in this process; returns the pin_memory it passed for the
+    train loader. Every batch the loader yields records its copies in CopyRecorder.copies. accelerator_name is
+    what the example (only it) is told the accelerator is called; stop_at_loader ends the run once the loader is
+    set up, so that a name that is not this machine's trains nothing."""
+    import train_example
+
+    pinned = []
+    setup_dataloader = DeepspeedStrategy.setup_dataloader
+    loader_iter = get_strategy_module.StatefulDataLoader.__iter__
+
+    def recorded_setup_dataloader(self, *args, **kwargs):
+        pinned.append(kwargs.get("pin_memory", False))
+        if stop_at_loader:
+            raise LoaderSetUp()
+        return setup_dataloader(self, *args, **kwargs)
+
+    def recording_iter(self):
+        for batch in loader_iter(self):
+            yield [tensor.as_subclass(CopyRecorder) for tensor in batch]
+
+    CopyRecorder.copies = []
+    args = train_example.parse_args([*TINY, "--zero_stage", "0", "--max_steps", "2", "--eval_steps", "2"])
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    with pytest.MonkeyPatch.context() as patch:
+        named = NamedAccelerator(train_example.get_accelerator(), accelerator_name)
+        patch.setattr(train_example, "get_accelerator", lambda: named)
+        patch.setattr(DeepspeedStrategy, "setup_dataloader", recorded_setup_dataloader)
+        patch.setattr(get_strategy_module.StatefulDataLoader, "__iter__", recording_iter)
+        # The process group stays, as after every in-process case here: DeepSpeed keeps the groups of the first.
+        patch.setattr(DeepspeedStrategy, "teardown", lambda self: None)
+        try:
+            train_example.main(args)
+        except LoaderSetUp:
+            pass
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+    return pinned[0]
+
+
+@pytest.mark.usefixtures("clean_launch_env")
+def test_the_example_pins_its_batches_only_off_the_cpu_and_copies_each_without_blocking():
+    """Pinned memory lets a copy to an accelerator run while the host goes on; on a machine without one torch warns
+    that it pins nothing. Told its accelerator is a GPU, the example asks for pinned memory (it stops there: this
+    machine trains on its CPU); on the CPU it does not, trains without a warning about it, and copies every
+    micro-batch with non_blocking."""
+    assert run_example_in_process("cuda", stop_at_loader=True) is True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_example_in_process("cpu", stop_at_loader=False) is False
+    assert not [w for w in caught if "pin_memory" in str(w.message)], [str(w.message) for w in caught]
+    # 2 steps x 4 micro-batches (TINY: 8 sequences a step, 2 per micro-batch, one rank), an input and a target each
+    assert CopyRecorder.copies == [True] * 16, CopyRecorder.copies
+
+
+# =============================================================================================================
 # Benchmarks: each one at its smallest setting, so none stops running unnoticed. Their figures come from their
 # full settings (benchmarks/README.md); here only that each runs and prints them.
 
@@ -2638,6 +2856,11 @@ BENCHMARKS = {  # name: (its smallest setting, a line of its figures)
     "reshape_load": (["--layers", "1", "--width", "64", "--repeats", "1"], r"ZeRO 3 load / same-shape load = \d"),
     "save_cost": (["--layers", "1", "--width", "256", "--repeats", "2"], r"save_ckpt / engine.save_checkpoint: median"),
     "first_command": (["--variants", "--max_steps 2 --eval_steps 1 --eval_batches 1"], r"\| 2 \| [\d,]+ \| \d+ \| \d"),
+    "gpu_check": (["--out", os.devnull], r"checks: \d+ ok, \d+ skipped, 0 failed"),  # on a CPU: the smallest sizes
+    "determinism_cost": (
+        ["--steps", "2", "--repeats", "1", "--tiny", "--variants", "normal", "deterministic"],
+        r"deterministic / normal: \d",
+    ),
 }
 
 

@@ -92,7 +92,12 @@ def parse_args(argv=None):
 
     group = parser.add_argument_group("training")
     group.add_argument(
-        "--max_steps", type=int, default=400, help="optimizer steps; the learning-rate schedule spans them"
+        "--max_steps",
+        type=int,
+        default=400,
+        help="optimizer steps; the learning-rate schedule spans them. A run resumed with another "
+        "--train_batch_size (another number of ranks, with the default) goes on from the steps already taken, "
+        "whatever their batch",
     )
     group.add_argument("--learning_rate", type=float, default=3e-3, help="peak learning rate")
     group.add_argument("--warmup_steps", type=int, default=20, help="steps of linear warmup from 0 to the peak")
@@ -394,11 +399,19 @@ def warmup_cosine(args):
 
 class Preemption:
     """The signal any rank was sent since this was made: SIGTERM (sent before a job is killed) or SIGUSR1 (SLURM's
-    advance notice). Ask received() on every rank between optimizer steps (one small all-reduce, so every rank
-    agrees); on a signal the loop saves a checkpoint and exits with 128 + it."""
+    advance notice). Ask received() on every rank after each optimizer step; on a signal the loop saves a
+    checkpoint and exits with 128 + it.
+
+    Every rank must stop at the same step, so the ranks reduce their signals (one small all-reduce). But a result
+    read on the host waits for everything queued on the device before it: the whole step. So each call starts a
+    reduction and answers with the previous call's, finished while this step ran: the run stops one step after the
+    signal (a signal during the last step goes unanswered: the run ends anyway), and the host never waits for the
+    step under way."""
 
     def __init__(self, strategy):
         self.strategy, self.signum = strategy, 0
+        self.device = get_accelerator().current_device_name()
+        self.in_flight = None  # the previous call's result on its way to the host, and the event marking its arrival
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.remember)
 
@@ -406,18 +419,40 @@ class Preemption:
         self.signum = signum
 
     def received(self) -> int:
-        """The largest signal number any rank received, or 0."""
-        return self.strategy.all_reduce(self.signum, "max")
+        """The largest signal number any rank had received by the previous call, or 0 (always 0 at the first)."""
+        previous = self.in_flight
+        # torch.full fills on the device with no copy from the host; non_blocking brings the result back to pinned
+        # host memory while the host goes on, and the event marks when it is there.
+        reduced = self.strategy.all_reduce(torch.full((), self.signum, device=self.device), "max")
+        self.in_flight = (reduced.to("cpu", non_blocking=True), self.recorded_event())
+        if previous is None:
+            return 0
+        on_host, arrived = previous
+        if arrived is not None:
+            arrived.synchronize()  # until the previous step's end, long past; this step's work stays queued
+        return int(on_host)
+
+    def recorded_event(self):
+        """An event recorded here on the accelerator's stream; None on the CPU, where a copy is done when it returns."""
+        if get_accelerator().Event is None:
+            return None
+        event = get_accelerator().Event()
+        event.record()
+        return event
 
 
-def micro_batches(loader, strategy, start_step, steps_per_epoch):
-    """Micro-batches from optimizer step start_step on, epoch after epoch, each epoch in a new seeded order."""
-    step = start_step
+def micro_batches(loader, strategy):
+    """Micro-batches from where the loader stands (loader.load_state_dict sets it on a resume), epoch after epoch,
+    each epoch in a new seeded order and cut to whole optimizer steps. A resume with another --train_batch_size goes on
+    at the same sample of the same epoch (on another number of ranks, rounded down to a multiple of the ranks: the
+    sampler deals the samples out to them in turn); only where the epoch is cut moves."""
+    position = loader.state_dict()  # the epoch and the samples of it already trained on, over all ranks
+    epoch, consumed = position["epoch"], position["consumed_samples"]
     while True:
-        epoch, step_in_epoch = divmod(step, steps_per_epoch)
-        loader.sampler.set_epoch(epoch, consumed_samples=step_in_epoch * strategy.train_batch_size)
-        yield from itertools.islice(loader, (steps_per_epoch - step_in_epoch) * strategy.accumulated_gradient)
-        step += steps_per_epoch - step_in_epoch
+        loader.sampler.set_epoch(epoch, consumed_samples=consumed)
+        steps = (len(loader.dataset) - consumed) // strategy.train_batch_size
+        yield from itertools.islice(loader, steps * strategy.accumulated_gradient)
+        epoch, consumed = epoch + 1, 0
 
 
 @torch.no_grad()
@@ -476,7 +511,6 @@ def main(args):
 
     train_data, val_data = split_corpus(load_corpus(args.data_bytes), args.val_fraction)
     train_set, val_set = ByteChunks(train_data, args.block_size), ByteChunks(val_data, args.block_size)
-    steps_per_epoch = len(train_set) // args.train_batch_size  # at least 1: check_args made sure
 
     model = model_from_args(args)  # the same initial weights on every rank: setup_distributed seeded torch
     strategy.print(
@@ -494,9 +528,14 @@ def main(args):
         why = "on a machine's first run DeepSpeed compiles its ops (up to a minute each) and caches them for later runs"
         strategy.print(f"set-up took {seconds:.0f} s: {why}")
 
-    train_loader = strategy.setup_dataloader(train_set, args.micro_train_batch_size)
+    # Pinned host memory lets a batch's copy to an accelerator run while the host goes on (non_blocking in the
+    # loop); a CPU has nothing to pin it for, and torch warns when asked.
+    pinned = get_accelerator().device_name() != "cpu"
+    train_loader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, pin_memory=pinned)
 
-    start_step = 0
+    # A step is an optimizer step, whatever its batch: a run resumed with another --train_batch_size goes on from
+    # the saved step count, which DeepSpeed's counter and the learning-rate schedule restore too.
+    start_step, samples_before = 0, 0
     # Start afresh only where nothing was ever completed: anything else resumes, or stops with the reason.
     started_before = os.path.isdir(args.ckpt_path) and any(
         name == "latest" or os.path.isfile(os.path.join(args.ckpt_path, name, DONE_FILE))
@@ -504,17 +543,31 @@ def main(args):
     )
     if args.load_checkpoint and started_before:
         load_path, client_state = strategy.load_ckpt(engine, args.ckpt_path)
-        start_step = client_state["consumed_samples"] // args.train_batch_size
+        start_step, samples_before = engine.global_steps, client_state["consumed_samples"]
+        position = client_state.get("data")
+        if position is None:  # a checkpoint of an earlier release: only the sum of samples, taken with this batch
+            per_epoch = len(train_set) // args.train_batch_size * args.train_batch_size
+            epoch, in_epoch = divmod(samples_before, per_epoch)
+            position = {"epoch": epoch, "consumed_samples": in_epoch}
+        train_loader.load_state_dict(position)
         strategy.print(f"resumed from {os.path.dirname(load_path)} at step {start_step}")
     elif args.load_checkpoint:
         strategy.print(f"no checkpoint in {args.ckpt_path} yet: starting from step 0")
 
     def save_checkpoint(step):
         started = time.perf_counter()
-        state = {"consumed_samples": step * args.train_batch_size}
+        tag = f"global_step{step}"  # named here: the folder sized below is the one written
+        # The samples trained on since the first step, and where the data stand: the epoch and the samples of it.
+        consumed = samples_before + (step - start_step) * args.train_batch_size
+        state = {"consumed_samples": consumed, "data": train_loader.state_dict()}
         try:
             strategy.save_ckpt(
-                engine, args.ckpt_path, max_num=args.max_ckpt_num, max_mem=args.max_ckpt_mem, client_state=state
+                engine,
+                args.ckpt_path,
+                tag=tag,
+                max_num=args.max_ckpt_num,
+                max_mem=args.max_ckpt_mem,
+                client_state=state,
             )
         except RuntimeError as error:  # every rank raises it alike (a full disk, say): stop here, with its reason
             bar.close()
@@ -522,7 +575,7 @@ def main(args):
             strategy.teardown()
             sys.exit(1)
         if strategy.is_rank_0():  # one rank sizes the folder on the shared filesystem
-            folder = os.path.join(args.ckpt_path, f"global_step{step}")
+            folder = os.path.join(args.ckpt_path, tag)
             size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
             log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f} s")
 
@@ -540,18 +593,18 @@ def main(args):
     if start_step == 0:
         held_out_loss(0)
     tokens_per_step = args.train_batch_size * args.block_size
-    batches = micro_batches(train_loader, strategy, start_step, steps_per_epoch)
+    batches = micro_batches(train_loader, strategy)
     bar = tqdm(
         total=args.max_steps, initial=start_step, disable=not strategy.is_rank_0(), desc="train", dynamic_ncols=True
     )
     started = time.perf_counter()
     for step in range(start_step + 1, last_step + 1):
         # The loss stays on the device: reading a number on the host (.item(), a print) waits for the device to
-        # finish its queued work. Outside logging a step reads one number, preemption.received()'s.
+        # finish its queued work. Outside logging a step reads one number, the previous step's preemption check.
         step_loss = torch.zeros((), device=device)
         for _ in range(strategy.accumulated_gradient):
             x, y = next(batches)
-            loss = byte_loss(engine, x.to(device), y.to(device))
+            loss = byte_loss(engine, x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             strategy.backward(loss, engine, optimizer)
             strategy.optimizer_step(optimizer, engine, scheduler)  # steps the optimizer on the last micro-batch
             step_loss += loss.detach() / strategy.accumulated_gradient
@@ -567,7 +620,7 @@ def main(args):
         saves = (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step
         if saves:
             save_checkpoint(step)
-        stop = preemption.received()  # every rank agrees, once any rank was sent SIGTERM or SIGUSR1
+        stop = preemption.received()  # every rank agrees, a step after any rank was sent SIGTERM or SIGUSR1
         if stop:
             if not saves:
                 save_checkpoint(step)

@@ -44,6 +44,7 @@ import mmap
 import os
 import pickle
 import random
+import re
 import resource
 import shutil
 import socket
@@ -738,6 +739,12 @@ STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once comm
 DELETING = ".deleting"  # a folder on its way out: renamed so, then removed
 WORKING = (STAGING, DELETING, ".replaced")  # the working folders' suffixes (release 0.19.0 wrote .replaced)
 KINDS = ("checkpoint", "plain")  # the table's rows that are checkpoints: this file's, and plain DeepSpeed ones
+# The files a checkpoint's folder holds: DeepSpeed's, RNG_FILE, the record (and its temporary) and OpenRLHF's
+# metric.json. A folder holding anything else (a file of yours, a subfolder) is never deleted, nor a link.
+CHECKPOINT_FILES = re.compile(
+    r"(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt|rng_state_rank\d+\.pt"
+    r"|checkpoint_complete\.json(\.tmp\w+)?|metric\.json"
+)
 LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
 
 
@@ -821,7 +828,7 @@ class Checkpoints:
         # On every rank, before anything is written: a refusal on one rank alone would leave the others waiting.
         self._raise_on_every_rank(problem or self._tag_problem(tag), ValueError)
         staging = os.path.join(save_dir, tag + STAGING)
-        problem = self._start(save_dir, tag) if self.rank == 0 else None
+        problem = self._start(save_dir, tag, save_latest) if self.rank == 0 else None
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         # Every rank's files are durable once all arrive here, or the first rank that failed says what failed.
         every_rank = [None] * dist.get_world_size()
@@ -835,6 +842,7 @@ class Checkpoints:
             if self.rank == 0:
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(staging, DONE_FILE))
+                    self._fsync(staging)  # gone for good: a power cut must not bring back what failed
                 shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
             raise RuntimeError(problem)
@@ -849,10 +857,8 @@ class Checkpoints:
     def _metric(self, value, key):
         """(the record's {"key", "value"} for a metric_value, or None; why the save is refused, or None). Any
         number will do (Python, NumPy or a 0-d tensor); NaN and infinity count as no metric."""
-        try:
-            json.dumps(key)  # checked now: the record is written only after every rank has saved its files
-        except (TypeError, ValueError) as error:
-            return None, f"save_ckpt metric_key {key!r} must be something JSON can write, such as a name: {error}"
+        if not (key is None or isinstance(key, str)):  # checked now: the record is written after all files are
+            return None, f"save_ckpt metric_key {key!r} must be a name (a string), or None"
         if value is None:
             return None, None
         try:
@@ -868,8 +874,10 @@ class Checkpoints:
 
     def _tag_problem(self, tag):
         """Why tag cannot name a checkpoint's folder in save_dir, or None."""
-        if tag in ("", ".", "..", LATEST) or tag.endswith(WORKING) or any(c in tag for c in ("/", os.sep, "\0")):
-            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume) nor ending in one of {WORKING}"
+        odd = tag != tag.strip() or any(c in tag for c in ("/", os.sep, "\0"))  # latest's reader strips it
+        if tag in ("", ".", "..", LATEST) or tag.endswith(WORKING) or odd:
+            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume), nor ending in one of {WORKING}"
+            not_these += " or in spaces"
             return f"save_ckpt tag {tag!r} must be the name of a folder in save_dir, {not_these}"
         if len((tag + DELETING).encode()) > 255:  # the longest name a save gives the folder
             return f"save_ckpt tag {tag!r} is too long: with {DELETING} after it, it must fit in 255 bytes"
@@ -895,7 +903,7 @@ class Checkpoints:
         if found:
             raise error_type(found)
 
-    def _start(self, save_dir, tag):
+    def _start(self, save_dir, tag, save_latest):
         """On rank 0, before any rank writes: clear what saves and deletes cut short left (the table's rows marked
         "first"), refuse a tag whose folder is not a checkpoint or that the free space cannot hold, and make
         <tag>.saving. Returns None, or why the save cannot start."""
@@ -904,13 +912,19 @@ class Checkpoints:
             os.makedirs(save_dir, exist_ok=True)
             for name in sorted(os.listdir(save_dir)):
                 kind = self._kind(save_dir, name)
-                if kind == "checkpoint" and name.endswith(STAGING):  # committed, but not yet renamed
-                    self._rename_over(save_dir, name.removesuffix(STAGING))
-                elif kind == "cut short":
-                    self._delete(save_dir, name)
-            if os.path.lexists(folder) and (os.path.islink(folder) or self._kind(save_dir, tag) not in KINDS):
+                with contextlib.suppress(OSError):  # what cannot be tidied now (a busy file) waits for a later save
+                    if kind == "checkpoint" and name.endswith(STAGING):  # committed, but not yet renamed
+                        self._rename_over(save_dir, name.removesuffix(STAGING))
+                    elif kind == "cut short" and name.endswith(WORKING):  # no checkpoint any more: removed at once
+                        shutil.rmtree(os.path.join(save_dir, name))
+                    elif kind == "cut short":  # release 0.19.0's delete cut short: renamed first, as every delete
+                        self._delete(save_dir, name)
+            if os.path.lexists(folder) and not (self._kind(save_dir, tag) in KINDS and self._deletable(folder)):
                 fix = "pass another tag, or move it out of save_dir"
-                return f"save_ckpt refused before writing: {folder} is no checkpoint of this run to replace; {fix}"
+                return f"save_ckpt refused before writing: {folder} is no checkpoint it may replace; {fix}"
+            latest = os.path.join(save_dir, LATEST)
+            if save_latest and os.path.lexists(latest) and not os.path.isfile(latest):
+                return f"save_ckpt refused before writing: {latest} is no file, and the save would write it"
             problem = self._space_problem(save_dir)
             if problem is None:
                 os.makedirs(folder + STAGING)
@@ -929,14 +943,17 @@ class Checkpoints:
         if not working and os.path.isfile(os.path.join(path, DONE_FILE)):
             return "checkpoint"
         if working or name.endswith(STAGING) or os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0))):
-            # Only names a checkpoint holds: DeepSpeed's *.pt, the record (and its temporary), OpenRLHF's metric.json.
-            ours = lambda n: n.endswith(".pt") or n.startswith(DONE_FILE) or n == "metric.json"  # noqa: E731
-            files = os.listdir(path)
-            alone = all(ours(n) and os.path.isfile(os.path.join(path, n)) for n in files)
-            return "cut short" if alone and not os.path.islink(path) else None
+            return "cut short" if self._deletable(path) else None
         if any(os.path.isfile(os.path.join(path, model_states_file(stage))) for stage in (0, 3)):
             return "plain"
         return None
+
+    def _deletable(self, path) -> bool:
+        """Whether path is a folder, not a link, holding checkpoint files alone (CHECKPOINT_FILES): what save_ckpt
+        may delete."""
+        if not os.path.isdir(path) or os.path.islink(path):
+            return False
+        return all(CHECKPOINT_FILES.fullmatch(n) and os.path.isfile(os.path.join(path, n)) for n in os.listdir(path))
 
     def _checkpoints(self, save_dir) -> dict:
         """{tag: (folder, kind)} of every checkpoint in save_dir, "checkpoint" or "plain" (the table), oldest first
@@ -1112,6 +1129,10 @@ class Checkpoints:
         """Make the committed <tag>.saving <tag>, deleting an older <tag> first (in the meantime <tag>.saving is
         the checkpoint <tag>, the table's second row)."""
         if os.path.lexists(os.path.join(save_dir, tag)):
+            if not self._deletable(os.path.join(save_dir, tag)):
+                raise OSError(
+                    f"{os.path.join(save_dir, tag)} holds what no checkpoint holds: it stays, as {tag}{STAGING}"
+                )
             self._delete(save_dir, tag)
         os.rename(os.path.join(save_dir, tag + STAGING), os.path.join(save_dir, tag))
         self._fsync(save_dir)
@@ -1131,8 +1152,8 @@ class Checkpoints:
         protected = {keep, self._read_latest(save_dir)}
         # This file's checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this file), oldest
         # first. A link (a run branched from another run's checkpoint) stays: deleting through it would delete the
-        # other run's checkpoint.
-        ours = [tag for tag in self._checkpoints(save_dir) if not os.path.islink(os.path.join(save_dir, tag))]
+        # other run's checkpoint. So does a folder you put other files in, uncounted.
+        ours = [tag for tag in self._checkpoints(save_dir) if self._deletable(os.path.join(save_dir, tag))]
         best = [tag for tag in ours if tag.startswith("best")]
         if keep.startswith("best"):
             for tag in [t for t in best if t not in protected]:
@@ -1491,13 +1512,15 @@ class Checkpoints:
         self._raise_on_every_rank(caught)
 
     def _write_weights(self, state_dict, tokenizer, output_dir, kwargs) -> None:
-        """Rank 0's part of save_model. The files are written into a folder beside output_dir, which then takes
-        output_dir's place by two renames (an older output_dir's other files moved over before the old one goes):
-        cut short anywhere, output_dir holds one save's weights, never some of each."""
-        output_dir = os.path.normpath(output_dir)
-        parent, name = os.path.split(output_dir)
-        os.makedirs(parent or ".", exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f"{name}.saving-", dir=parent or ".")  # same filesystem: renames
+        """Rank 0's part of save_model. The files are written into a folder inside output_dir first. Then the
+        weight files of an earlier save go that a loader could read instead of the new ones, or with them (every
+        index, which names shards; a shard or a format this save does not write, such as a model.safetensors beside
+        a new pytorch_model.bin), and each new file is renamed into place, indexes last: cut short, output_dir holds
+        no index naming two saves' shards. Its other files stay as they are."""
+        os.makedirs(output_dir, exist_ok=True)
+        for name in [n for n in os.listdir(output_dir) if n.startswith(".saving-")]:  # a save_model killed earlier
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        staging = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)  # the same filesystem, so renames are atomic
         try:
             if hasattr(self.module, "save_pretrained"):
                 self.module.save_pretrained(staging, state_dict=state_dict, **kwargs)
@@ -1505,16 +1528,12 @@ class Checkpoints:
                 torch.save(state_dict, os.path.join(staging, "pytorch_model.bin"))
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(staging)
-            if not os.path.exists(output_dir):
-                os.rename(staging, output_dir)
-                return
-            old = tempfile.mkdtemp(prefix=f"{name}.replaced-", dir=parent or ".")
-            os.rename(output_dir, os.path.join(old, name))
-            os.rename(staging, output_dir)
-            for entry in os.listdir(os.path.join(old, name)):  # what the new save did not write stays
-                if not os.path.lexists(os.path.join(output_dir, entry)):
-                    os.rename(os.path.join(old, name, entry), os.path.join(output_dir, entry))
-            shutil.rmtree(old)
+            new = sorted(os.listdir(staging), key=lambda name: name.endswith(".index.json"))  # indexes last
+            weights = [n for n in os.listdir(output_dir) if WEIGHT_FILES.fullmatch(n)]
+            for name in [n for n in weights if n.endswith(".index.json") or n not in new]:
+                os.remove(os.path.join(output_dir, name))
+            for name in new:
+                os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -1556,7 +1575,8 @@ class Checkpoints:
         size = os.path.getsize(path) if os.path.isfile(path) else -1  # -1: the check names it missing
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
         problem = self._damaged_files(folder, {name: size}, {}, rank, world_size) if zipped or size < 0 else None
-        if zero3:
+        every_rank = isinstance(self.engine, deepspeed.DeepSpeedEngine) or zero3  # every rank calls it
+        if every_rank:
             problem = self._first_of_ranks(problem)
         if problem:
             raise ValueError(f"refusing to load {path}: {problem}")
@@ -1571,7 +1591,7 @@ class Checkpoints:
             caught = ValueError(f"refusing to load {path}: {why} (save_model writes one).\n{error}")
         except Exception as error:
             caught = error
-        if isinstance(self.engine, deepspeed.DeepSpeedEngine) or zero3:  # every rank calls it: share a failure
+        if every_rank:
             self._raise_on_every_rank(caught)
         elif caught:
             raise caught
@@ -1601,6 +1621,10 @@ class Checkpoints:
         optimizer = getattr(self.engine, "optimizer", None)
         if hasattr(optimizer, "refresh_fp32_params"):  # ZeRO 1-3, and bf16 at stage 0
             optimizer.refresh_fp32_params()
+
+
+# The weight files that torch.save and Hugging Face's save_pretrained write, whole or in shards, and their indexes.
+WEIGHT_FILES = re.compile(r"(pytorch_model|model)(-\d+-of-\d+)?\.(bin|safetensors)(\.index\.json)?")
 
 
 # The reader of another run shape: DeepSpeed's private save formats, what a maintainer needs.

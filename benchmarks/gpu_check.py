@@ -63,7 +63,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
-from get_strategy import __version__, get_strategy  # noqa: E402
+from get_strategy import __version__, _free_port, get_strategy  # noqa: E402
 from train_example import ByteGPT, byte_loss, load_corpus, model_from_args, parse_args  # noqa: E402
 
 ON_GPU = get_accelerator().device_name() == "cuda"
@@ -393,8 +393,25 @@ def check_example(check, name):
         check.figures["mfu"] = round(6 * parameters * tokens_per_s / H200_DENSE_BF16_FLOPS, 4)
 
 
+def check_one_visible_device(check):
+    """A rank shown a single GPU (srun --gpus-per-task, MPI wrappers setting CUDA_VISIBLE_DEVICES per rank) uses it,
+    whatever its local rank: LOCAL_RANK=1 with one device visible, in a process of its own."""
+    if not ON_GPU:
+        raise Skipped("a device to pick needs a GPU")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", LOCAL_RANK="1", RANK="0", WORLD_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    code = (
+        "import argparse, get_strategy as g; s = g.get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))"
+    )
+    code += "; s.setup_distributed(); import torch; print('device', torch.cuda.current_device()); s.teardown()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    check.figures["output"] = (done.stdout + done.stderr).strip().splitlines()[-1:]
+    check.expect(done.returncode == 0 and "device 0" in done.stdout, f"exit {done.returncode}: {done.stderr[-300:]}")
+
+
 CHECKS = {
     "environment": check_environment,
+    "one_visible_device": check_one_visible_device,
     "collectives": check_collectives,
     "nccl_refuses_cpu_tensors": check_nccl_refuses_cpu_tensors,
     "deterministic_zero3": check_deterministic_zero3,

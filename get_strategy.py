@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-__version__ = "0.19.0"
+__version__ = "0.20.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same

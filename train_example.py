@@ -631,7 +631,7 @@ def main(args):
     bar.close()
     seconds = time.perf_counter() - started
     trained = (last_step - start_step) * tokens_per_step
-    strategy.print(f"trained {last_step - start_step} steps in {seconds:.1f} s ({trained / seconds:,.0f} tokens/s)")
+    strategy.print(f"trained {last_step - start_step} steps in {seconds:.2f} s ({trained / seconds:,.0f} tokens/s)")
 
     if last_step < args.max_steps:
         strategy.print(f"stopped at step {last_step} of {args.max_steps}; continue with --load_checkpoint")

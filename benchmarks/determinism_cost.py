@@ -115,7 +115,7 @@ def main():
             print(f"round {round_ + 1}, {variant}: {per_step:.3f} s per step, peak MiB {memory}", flush=True)
     print("| variant | seconds per step, median (min to max) | / normal, median | peak resident MiB, rank 0 / rank 1 |")
     print("| --- | --- | --- | --- |")
-    normal = statistics.median(seconds["normal"])
+    normal = max(statistics.median(seconds["normal"]), 1e-9)  # a step may print as 0.00 s at the smallest setting
     for variant in args.variants:
         median = statistics.median(seconds[variant])
         spread = f"{min(seconds[variant]):.3f} to {max(seconds[variant]):.3f}"

@@ -1034,7 +1034,10 @@ class Checkpoints:
             return None, written
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
         path, error = failed[0]
-        why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
+        try:
+            why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
+        except OSError as gone:  # this node lost the folder: say so, still without raising
+            why = f"{save_dir} cannot be read here ({gone})"
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
             why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
@@ -1512,11 +1515,11 @@ class Checkpoints:
         self._raise_on_every_rank(caught)
 
     def _write_weights(self, state_dict, tokenizer, output_dir, kwargs) -> None:
-        """Rank 0's part of save_model. The files are written into a folder inside output_dir first. Then the
-        weight files of an earlier save go that a loader could read instead of the new ones, or with them (every
-        index, which names shards; a shard or a format this save does not write, such as a model.safetensors beside
-        a new pytorch_model.bin), and each new file is renamed into place, indexes last: cut short, output_dir holds
-        no index naming two saves' shards. Its other files stay as they are."""
+        """Rank 0's part of save_model. The files are written into a folder inside output_dir first. Then every
+        file of an earlier save that this one writes too goes, and every earlier weight file (a loader could read
+        them instead of the new ones, or with them: a model.safetensors beside a new pytorch_model.bin), before the
+        new files are renamed into place: cut short, output_dir holds part of the new save (the rest in .saving-*),
+        never a file of each. Its other files stay as they are."""
         os.makedirs(output_dir, exist_ok=True)
         for name in [n for n in os.listdir(output_dir) if n.startswith(".saving-")]:  # a save_model killed earlier
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
@@ -1529,9 +1532,9 @@ class Checkpoints:
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(staging)
             new = sorted(os.listdir(staging), key=lambda name: name.endswith(".index.json"))  # indexes last
-            weights = [n for n in os.listdir(output_dir) if WEIGHT_FILES.fullmatch(n)]
-            for name in [n for n in weights if n.endswith(".index.json") or n not in new]:
+            for name in [n for n in os.listdir(output_dir) if n in new or WEIGHT_FILES.fullmatch(n)]:
                 os.remove(os.path.join(output_dir, name))
+            self._fsync(output_dir)  # gone for good before any new file takes a name
             for name in new:
                 os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         finally:

@@ -1388,6 +1388,47 @@ def test_save_model_replaces_an_earlier_saves_weights_keeping_other_files_and_le
     assert torch.equal(torch.load(target / "pytorch_model.bin")["w"], torch.zeros(2))
 
 
+class SavesShards(torch.nn.Linear):
+    """A model whose save_pretrained writes two shards, their index and a config, as Hugging Face's does."""
+
+    def save_pretrained(self, folder, state_dict, **kwargs):
+        for i, name in enumerate(state_dict):
+            torch.save({name: state_dict[name]}, os.path.join(folder, f"pytorch_model-0000{i + 1}-of-00002.bin"))
+        Path(folder, "pytorch_model.bin.index.json").write_text(json.dumps(sorted(state_dict)))
+        Path(folder, "config.json").write_text(json.dumps({"first": state_dict["weight"].flatten()[0].item()}))
+
+
+def test_a_save_model_cut_short_between_its_renames_never_leaves_files_of_two_saves(tmp_path, monkeypatch):
+    """Cut short after each rename in turn (a kill there leaves what this failure leaves): output_dir holds some
+    of the new save's files, never one of the earlier save's beside them."""
+    strategy, target = DeepspeedStrategy(zero_stage=0), tmp_path / "model"
+    earlier, new = SavesShards(2, 2), SavesShards(2, 2)
+    for model, value in ((earlier, 1.0), (new, 2.0)):
+        for param in model.parameters():
+            torch.nn.init.constant_(param, value)
+    replace = os.replace
+    for renames in range(4):  # two shards, the config, the index
+        Checkpoints(strategy, earlier)._write_weights(earlier.state_dict(), None, str(target), {})
+        done = []
+
+        def cut_short(source, destination):
+            if len(done) == renames:
+                raise OSError("cut short")
+            done.append(replace(source, destination))
+
+        monkeypatch.setattr(get_strategy_module.os, "replace", cut_short)
+        with contextlib.suppress(OSError):
+            Checkpoints(strategy, new)._write_weights(new.state_dict(), None, str(target), {})
+        monkeypatch.setattr(get_strategy_module.os, "replace", replace)
+        left = sorted(os.listdir(target))
+        assert len(left) == renames, (renames, left)
+        for name in left:  # each the new save's: its shards, its config, its index
+            if name == "config.json":
+                assert json.loads((target / name).read_text()) == {"first": 2.0}, name
+            elif name.endswith(".bin"):
+                assert all(torch.equal(t, torch.full_like(t, 2.0)) for t in torch.load(target / name).values()), name
+
+
 # =============================================================================================================
 # Two processes: one launch of the "core" worker runs every case below, and those of the sections that name it, in
 # one process group (the quick tier's cases run likewise in the "quick" launch).
@@ -3332,6 +3373,13 @@ def test_save_model_that_fails_on_rank_0_raises_on_every_rank_at_once_naming_it(
         assert rank == 0 or got["error"].startswith("RuntimeError: RuntimeError on rank 0: "), got["error"]
 
 
+def test_a_rank_that_cannot_see_save_dir_fails_the_save_on_every_rank_at_once(save_failures_run):
+    for result in save_failures_run:
+        got = result["lost_mount"]
+        assert got["error"].startswith("RuntimeError: save_ckpt failed on rank 1 "), got["error"]
+        assert "cannot be read here" in got["error"] and got["seconds"] < 30, got
+
+
 def test_load_model_that_fails_on_one_rank_below_zero_3_raises_on_every_rank_at_once(save_failures_run):
     for result in save_failures_run:
         got = result["load_model_fails"]
@@ -3399,6 +3447,12 @@ def save_failures(rank, out):
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     left = os.listdir(os.path.join(out, "weights"))
     results["save_model_fails"] = dict(error=error, seconds=time.time() - start, left=left)
+    # A save where rank 1's node cannot see save_dir at all (its mount lost; here a path through a file): every
+    # rank raises at once, naming rank 1, which must not fail again while it words its own failure.
+    Path(out, "a_file").write_text("")
+    lost = ckpt if rank == 0 else os.path.join(out, "a_file", "ckpt")
+    start = time.time()
+    results["lost_mount"] = dict(error=error_of(strategy.save_ckpt, engine, lost), seconds=time.time() - start)
     # load_model where rank 1's node lacks the file (each rank passes a path on its own node): every rank raises.
     path = os.path.join(out, "weights.pt" if rank == 0 else "not_on_this_node.pt")
     on_rank_0(torch.save, engine.module.state_dict(), path)

@@ -1,7 +1,7 @@
 """Tests for get_strategy.py and train_example.py, read as a specification: each test's name states a behaviour.
 
 Run them with:  python -m pytest -q test_get_strategy.py            (the quick tier, under a minute on 2 cores)
-          and:  python -m pytest -q test_get_strategy.py -m full    (the second tier, six and a half minutes)
+          and:  python -m pytest -q test_get_strategy.py -m full    (the second tier, seven to nine minutes)
 
 Every claim is checked against an independent reference (plain single-process PyTorch, a hand computation, an
 uninterrupted run, module.state_dict()) with real DeepSpeed on the CPU (gloo). Nothing here ran on a GPU: there, the

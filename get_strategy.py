@@ -718,6 +718,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 #   <tag>/ with RNG_FILE, no record a delete cut short (release 0.19.0)  ignored              deletes it  -
 #   a link, anything else           not this file's to change            a link to one: yes   refuses it  never
 #   latest (a file)                 the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
+#   latest.tmp<random> (a file)     a write of latest cut short          ignored              deletes it  -
 #
 # "deletes it" and "renames it" happen first, before a save writes anything, and only where the folder holds
 # nothing but checkpoint files; "replaces it" and "deletes it" under rotation rename the folder to <name>.deleting
@@ -919,6 +920,8 @@ class Checkpoints:
                         shutil.rmtree(os.path.join(save_dir, name))
                     elif kind == "cut short":  # release 0.19.0's delete cut short: renamed first, as every delete
                         self._delete(save_dir, name)
+                    elif name.startswith(LATEST + ".tmp") and os.path.isfile(os.path.join(save_dir, name)):
+                        os.remove(os.path.join(save_dir, name))  # a write of latest cut short
             if os.path.lexists(folder) and not (self._kind(save_dir, tag) in KINDS and self._deletable(folder)):
                 fix = "pass another tag, or move it out of save_dir"
                 return f"save_ckpt refused before writing: {folder} is no checkpoint it may replace; {fix}"
@@ -1357,8 +1360,11 @@ class Checkpoints:
             if done is None:
                 problem = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
         else:
-            done = self._plain_deepspeed_record(path)
-            if done is None:
+            try:
+                done = self._plain_deepspeed_record(path)
+            except Exception as error:  # its model states damaged: this candidate fails, an older one may pass
+                done, problem = None, (RuntimeError, f"checkpoint {path} does not load: {error!r}")
+            if done is None and problem is None:
                 what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
                 why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
                 fix = "load an earlier tag, or tag=None"
@@ -1505,21 +1511,21 @@ class Checkpoints:
         save_pretrained(output_dir, state_dict=...) when it has one, with a tokenizer's save_pretrained beside it.
         The keys are module.state_dict()'s and tied tensors stay tied. All ranks must call it; a failure on rank 0
         raises on every rank. With load_model, the safe way to exchange weights."""
-        state_dict = self._full_state_dict()  # collective at ZeRO 3
         caught = None
-        if self.rank == 0:
-            try:
+        try:
+            state_dict = self._full_state_dict()  # collective at ZeRO 3
+            if self.rank == 0:
                 self._write_weights(state_dict, tokenizer, output_dir, kwargs)
-            except Exception as error:
-                caught = error
+        except Exception as error:  # rank 0 alone copies and writes: its failure must reach the others
+            caught = error
         self._raise_on_every_rank(caught)
 
     def _write_weights(self, state_dict, tokenizer, output_dir, kwargs) -> None:
         """Rank 0's part of save_model. The files are written into a folder inside output_dir first. Then every
         file of an earlier save that this one writes too goes, and every earlier weight file (a loader could read
         them instead of the new ones, or with them: a model.safetensors beside a new pytorch_model.bin), before the
-        new files are renamed into place: cut short, output_dir holds part of the new save (the rest in .saving-*),
-        never a file of each. Its other files stay as they are."""
+        new files are renamed into place: cut short, output_dir never holds a file of each save. Its other files
+        stay as they are: a file named as weights are (WEIGHT_FILES) is taken for an earlier save's."""
         os.makedirs(output_dir, exist_ok=True)
         for name in [n for n in os.listdir(output_dir) if n.startswith(".saving-")]:  # a save_model killed earlier
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
@@ -1536,7 +1542,9 @@ class Checkpoints:
                 os.remove(os.path.join(output_dir, name))
             self._fsync(output_dir)  # gone for good before any new file takes a name
             for name in new:
+                self._fsync(os.path.join(staging, name))  # on the disk before it takes the name
                 os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+            self._fsync(output_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -1546,15 +1554,20 @@ class Checkpoints:
         time, read-only (modifier_rank=None): nothing is written back to the shards, as DeepSpeed's own private
         gatherer, _zero3_consolidated_16bit_state_dict, does."""
         module = self.module
-        copies = {}  # id of a parameter or buffer -> its full copy on CPU
+        copies, caught = {}, None  # id of a parameter or buffer -> its full copy on CPU; rank 0's failure
         for submodule in module.modules():
             params = list(submodule.parameters(recurse=False))
             # At ZeRO 3 a submodule's full weights exist only inside the gather; below ZeRO 3 it does nothing.
             # A copy (one, from a GPU): at ZeRO 1 and 2 parameters are views into one flat buffer that torch.save
             # would write whole.
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if self.rank == 0:
-                    copies.update({id(p): p.detach().to("cpu", copy=True) for p in params if id(p) not in copies})
+                try:
+                    if self.rank == 0 and caught is None:
+                        copies.update({id(p): p.detach().to("cpu", copy=True) for p in params if id(p) not in copies})
+                except Exception as error:  # out of host memory, say: raised once every rank has ended its gathers
+                    caught = error
+        if caught is not None:
+            raise caught
         if not self.rank == 0:
             return {}
         state_dict = {}

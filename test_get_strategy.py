@@ -1195,6 +1195,7 @@ def save_dir_states(tmp_path_factory):
         os.remove(cut / "s1.deleting" / DONE_FILE)
         os.remove(cut / "s2" / DONE_FILE)
         os.remove(cut / "s2" / "mp_rank_00_model_states.pt")
+        (cut / "latest.tmp3x9q").write_text("s")  # a write of latest cut short
         got["cut_short_before"] = listing(cut)
         strategy.save_ckpt(engine, str(cut), tag="s4")
         got["cut_short_after"] = listing(cut)
@@ -1228,6 +1229,13 @@ def save_dir_states(tmp_path_factory):
             engine.save_checkpoint(str(plain), tag=tag)
         os.remove(plain / "latest")
         got["plain_no_latest"] = error_of(strategy.load_ckpt, engine, str(plain))
+        # A damaged plain DeepSpeed checkpoint that latest names gives way to an older one that passes.
+        damaged_plain = out / "damaged_plain"
+        strategy.save_ckpt(engine, str(damaged_plain), tag="ours")
+        engine.save_checkpoint(str(damaged_plain), tag="plain_step")  # latest now names it
+        states = damaged_plain / "plain_step" / "mp_rank_00_model_states.pt"
+        states.write_bytes(states.read_bytes()[:100])
+        got["damaged_plain"] = loaded(damaged_plain)
         # h. A plain DeepSpeed checkpoint's weights into a module-only load and into an eval engine.
         (plain / "latest").write_text("global_step2")
         saved = full_params(engine)
@@ -1314,7 +1322,7 @@ def test_latest_set_back_by_hand_wins_and_the_load_says_a_newer_checkpoint_exist
 
 
 def test_the_next_save_finishes_deletes_that_were_cut_short(save_dir_states):
-    assert save_dir_states["cut_short_before"] == ["latest", "s1.deleting", "s2", "s3"]
+    assert save_dir_states["cut_short_before"] == ["latest", "latest.tmp3x9q", "s1.deleting", "s2", "s3"]
     assert save_dir_states["cut_short_after"] == ["latest", "s3", "s4"]
 
 
@@ -1340,6 +1348,11 @@ def test_plain_deepspeed_checkpoints_without_latest_are_named_not_taken_for_a_fr
     error = save_dir_states["plain_no_latest"]
     assert error.startswith("ValueError: load_ckpt found plain DeepSpeed checkpoints in "), error
     assert "(global_step1, global_step2) but no latest" in error and "pass tag=" in error, error
+
+
+def test_a_damaged_plain_checkpoint_latest_names_gives_way_to_the_newest_that_passes(save_dir_states):
+    folder, _, printed = save_dir_states["damaged_plain"]
+    assert folder == "ours" and "plain_step does not load" in printed and "resuming from ours instead" in printed
 
 
 def test_a_plain_deepspeed_checkpoints_weights_load_module_only_and_into_an_eval_engine(save_dir_states):
@@ -3373,6 +3386,13 @@ def test_save_model_that_fails_on_rank_0_raises_on_every_rank_at_once_naming_it(
         assert rank == 0 or got["error"].startswith("RuntimeError: RuntimeError on rank 0: "), got["error"]
 
 
+def test_save_model_out_of_memory_on_rank_0_while_copying_raises_on_every_rank_at_once(save_failures_run):
+    for rank, result in enumerate(save_failures_run):
+        got = result["save_model_oom"]
+        assert "DefaultCPUAllocator: can't allocate memory" in got["error"] and got["seconds"] < 30, got
+        assert rank == 0 or got["error"].startswith("RuntimeError: RuntimeError on rank 0: "), got
+
+
 def test_a_rank_that_cannot_see_save_dir_fails_the_save_on_every_rank_at_once(save_failures_run):
     for result in save_failures_run:
         got = result["lost_mount"]
@@ -3447,6 +3467,21 @@ def save_failures(rank, out):
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     left = os.listdir(os.path.join(out, "weights"))
     results["save_model_fails"] = dict(error=error, seconds=time.time() - start, left=left)
+    # save_model where rank 0 runs out of host memory while it copies the weights: every rank raises at once.
+    to = torch.Tensor.to
+
+    def out_of_memory(self, *args, **kwargs):
+        if kwargs.get("copy"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (this test's)")
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = out_of_memory if rank == 0 else to
+    start = time.time()
+    try:
+        error = error_of(strategy.save_model, engine, None, os.path.join(out, "weights_oom"))
+    finally:
+        torch.Tensor.to = to
+    results["save_model_oom"] = dict(error=error, seconds=time.time() - start)
     # A save where rank 1's node cannot see save_dir at all (its mount lost; here a path through a file): every
     # rank raises at once, naming rank 1, which must not fail again while it words its own failure.
     Path(out, "a_file").write_text("")

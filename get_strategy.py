@@ -234,6 +234,10 @@ class DeepspeedStrategy:
             self._describe_a_one_process_world()
         if self.local_rank != -1:  # the deepspeed launcher passes --local_rank; it wins over the environment
             os.environ["LOCAL_RANK"] = str(self.local_rank)
+        if get_accelerator().device_name() == "cuda" and get_accelerator().device_count() == 1:
+            # A launcher that shows each process one GPU (srun --gpus-per-task, MPI wrappers): DeepSpeed binds
+            # cuda:LOCAL_RANK, which exists only as 0 there.
+            os.environ["LOCAL_RANK"] = "0"
         if not dist.is_initialized():
             # Check the batch sizes against the world size the launcher (or the lines above) set, before the
             # rendezvous: a rank that raised inside it would leave the others waiting for the whole timeout.
@@ -243,8 +247,7 @@ class DeepspeedStrategy:
         # Only now is the local rank known under every launcher (MPI's is found while joining): it picks this
         # rank's device.
         self.local_rank = int(_first_variable(LOCAL_RANK_VARS) or 0)
-        # CUDA: this rank's GPU (the one it sees, where a launcher shows each process one); CPU: nothing to pick.
-        get_accelerator().set_device(self.local_rank if get_accelerator().device_count() > 1 else 0)
+        get_accelerator().set_device(self.local_rank)  # CUDA: this rank's GPU; CPU: nothing to pick
 
     def _use_deterministic_kernels(self) -> None:
         # cuBLAS splits reductions according to its workspace; a fixed workspace makes matmuls repeatable. It is

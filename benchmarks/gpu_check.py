@@ -403,10 +403,13 @@ def check_one_visible_device(check):
     code = (
         "import argparse, get_strategy as g; s = g.get_strategy(argparse.Namespace(zero_stage=0, train_batch_size=1))"
     )
-    code += "; s.setup_distributed(); import torch; print('device', torch.cuda.current_device()); s.teardown()"
+    code += "; s.setup_distributed(); import torch; e = s.prepare(torch.nn.Linear(2, 2)); x = torch.ones(1, 2)"
+    code += "; print('device', torch.cuda.current_device(), e(x.to(e.device)).device); s.teardown()"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     check.figures["output"] = (done.stdout + done.stderr).strip().splitlines()[-1:]
-    check.expect(done.returncode == 0 and "device 0" in done.stdout, f"exit {done.returncode}: {done.stderr[-300:]}")
+    check.expect(
+        done.returncode == 0 and "device 0 cuda:0" in done.stdout, f"exit {done.returncode}: {done.stderr[-300:]}"
+    )
 
 
 CHECKS = {

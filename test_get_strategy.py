@@ -1337,7 +1337,9 @@ def test_a_long_tags_save_cut_short_does_not_stop_later_saves(save_dir_states):
     assert save_dir_states["long_tag"] == ["no error", "no error"]
 
 
-def test_a_nan_metric_saves_without_a_metric_and_a_key_json_cannot_write_is_refused_before_writing(save_dir_states):
+def test_a_nan_metric_saves_without_a_metric_and_a_metric_key_that_is_no_string_is_refused_before_writing(
+    save_dir_states,
+):
     assert save_dir_states["nan_error"] == "no error" and save_dir_states["nan_record"] is None
     assert "metric_value nan is not finite: saving without a metric" in save_dir_states["nan_printed"]
     assert save_dir_states["bad_key"].startswith("ValueError: save_ckpt metric_key {1: 2} must be a name (a string)")

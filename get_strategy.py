@@ -40,7 +40,6 @@ import contextlib
 import gc
 import json
 import math
-import mmap
 import os
 import pickle
 import random
@@ -48,7 +47,6 @@ import re
 import resource
 import shutil
 import socket
-import struct
 import tempfile
 import zipfile
 import zlib
@@ -60,6 +58,7 @@ import numpy  # DeepSpeed requires it, so vendoring this file adds nothing to in
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 __version__ = "0.20.0"
 
@@ -650,9 +649,10 @@ class DeepspeedStrategy:
     ) -> "StatefulDataLoader":
         """A DataLoader over this rank's disjoint shard of dataset (without drop_last, padded with repeats), shuffled
         by seed and epoch. consumed_samples (over all ranks) skips that many samples of the first pass, epoch 0 (a
-        whole epoch or more leaves it empty); each later pass is the next epoch. The sampler and the loader are the
-        classes just below: loader.sampler.set_epoch(epoch, consumed_samples) starts an epoch part-way, as a resume
-        past epoch 0 needs, and loader.state_dict() resumes mid-epoch, as OpenRLHF's PPO needs. num_workers > 0
+        whole epoch or more leaves it empty); each later pass is the next epoch. The sampler is the class just below:
+        loader.sampler.set_epoch(epoch, consumed_samples) starts an epoch part-way, as a resume past epoch 0 needs.
+        The loader is a StatefulDataLoader, a DataLoader with state_dict() and load_state_dict() to resume
+        mid-epoch, as OpenRLHF's PPO does (it serves resumes, so it stands with the checkpoints). num_workers > 0
         loads in that many processes, in the same order; but a dataset drawing random numbers itself (augmentation)
         draws others after a resume with workers, which torch seeds once per pass: there keep num_workers=0."""
         if sampler is not None and not isinstance(sampler, DistributedSampler):
@@ -703,53 +703,52 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 #     scheduler, the counters and client_state, and at ZeRO 0 the optimizer's state too;
 #   - at ZeRO 1-3 each rank's shard of the optimizer's state (*zero_pp_rank_<rank>_*optim_states.pt);
 #   - each rank's random generators (RNG_FILE), which DeepSpeed does not save;
-#   - last, the record (DONE_FILE): the run's shape, the model's tensors, the optimizer's groups by name, the
-#     metric, and every file's size and content. A folder is a checkpoint once its record is there, not before.
+#   - last, the record (DONE_FILE): the run's shape, the model's tensors, the optimizer's groups by name, which
+#     slices each rank's optimizer file holds, the metric, and every file's size and content. A folder is a
+#     checkpoint once its record is there, not before.
 #
 # Every entry a save_dir can hold, and what loading (with tag=None), saving and rotation do with it. A save or a
 # delete changes one entry at a time, by one rename or one record, so wherever it is cut short (a crash, a power
-# cut) save_dir holds rows of this table and nothing else.
+# cut) save_dir holds rows of this table and nothing else. A save first clears the rows marked *.
 #
-#   entry in save_dir               what it is                           load_ckpt(tag=None)  save_ckpt   rotation
-#   <tag>/ with a record            checkpoint <tag>                     a candidate          replaces it deletes it
-#   <tag>.saving/ with a record     checkpoint <tag>, newer than a       a candidate, as      renames it  -
-#                                   <tag>/ (cut short before its rename) <tag>                to <tag>
-#   <tag>.saving/ without a record  a save cut short (or under way)      ignored              deletes it  -
-#   <name>.deleting/                a delete cut short                   ignored              deletes it  -
-#   <tag>/ with DeepSpeed's files,  a plain DeepSpeed checkpoint         only as latest's     replaces it deletes it
-#     no record, no RNG_FILE        (OpenRLHF's strategy writes them)
-#   <tag>/ with RNG_FILE, no record a delete cut short (release 0.19.0)  ignored              deletes it  -
-#   a link, anything else           not this file's to change            a link to one: yes   refuses it  never
-#   latest (a file)                 the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
-#   latest.tmp<random> (a file)     a write of latest cut short          ignored              deletes it  -
+#     entry in save_dir                what it is                          load_ckpt(tag=None)  save_ckpt    rotation
+#     <tag>/ with a record             checkpoint <tag>                    a candidate          replaces it  deletes it
+#   * <tag>.saving/ with a record      checkpoint <tag>, newer than a      a candidate, as      renames it   -
+#                                      <tag>/ (cut short before renaming)  <tag>                to <tag>
+#   * <tag>.saving/ without a record   a save cut short (or under way)     ignored              deletes it   -
+#   * <name>.deleting/                 a delete cut short                  ignored              deletes it   -
+#     <tag>/ without a record          not this file's: a plain DeepSpeed  named, where save_   refuses it   never
+#                                      checkpoint, a folder of yours       dir holds no other
+#     a link, anything else            not this file's to change           a link to one: yes   refuses it   never
+#     latest (a file)                  the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
+#     latest.tmp (a file)              a write of latest cut short         ignored              replaces it  -
 #
-# "deletes it" and "renames it" happen first, before a save writes anything, and only where the folder holds
-# nothing but checkpoint files; "replaces it" and "deletes it" under rotation rename the folder to <name>.deleting
-# before removing its files. Where latest is missing, names no checkpoint that passes, or is older than another
-# checkpoint, Checkpoints.load's first step says what loads.
-# Saving, in order (Checkpoints.save):
-#   1. rank 0 clears the rows marked "first" above and refuses a tag whose folder is not a checkpoint; every rank
-#      writes its files into <tag>.saving and makes them durable (fsync), noting a failed write instead of raising
-#      it, and the ranks agree on whether any failed;
+# A save deletes or renames only folders holding checkpoint files alone (CHECKPOINT_FILES), never a link, and a
+# delete renames the folder to <name>.deleting before removing its files. Saving, in order (Checkpoints.save):
+#   1. rank 0 clears the rows marked *, and refuses a tag whose folder is not a checkpoint and a save_dir whose
+#      newest checkpoint holds another model; every rank writes its files into <tag>.saving and makes them durable
+#      (fsync), noting a failed write instead of raising it, and the ranks agree on whether any failed;
 #   2. rank 0 writes the record into <tag>.saving, then latest: the save is committed. A failure up to here leaves
-#      the previous checkpoint and latest as they were (a record already written goes again);
-#   3. rank 0 replaces an older <tag> with <tag>.saving, then rotates; a failure here is a warning.
-# Loading, in order (Checkpoints.load): choose the checkpoint and check its files on every rank; refuse another
-# model; load it with DeepSpeed's own load if the run shape is unchanged, else with ReshapingReader (the file's
-# last part); restore the generators.
+#      the previous checkpoint and latest as they were;
+#   3. rank 0 renames an older <tag> to <tag>.deleting, <tag>.saving to <tag>, removes <tag>.deleting, then
+#      rotates; a failure here is a warning.
+# Loading, in order (Checkpoints.load): rank 0 chooses the checkpoint and reads its record, for every rank; each
+# rank checks its share of the files, and the ranks agree; another model is refused; each rank reads the slices it
+# will hold from the files holding them, in any run shape (ReshapingReader, the file's last part); the generators.
 RNG_FILE = "rng_state_rank{rank}.pt"  # each rank's random generators
 DONE_FILE = "checkpoint_complete.json"  # the record, written once every rank has saved
 STAGING = ".saving"  # save_ckpt writes <tag>.saving, renamed to <tag> once committed
 DELETING = ".deleting"  # a folder on its way out: renamed so, then removed
-WORKING = (STAGING, DELETING, ".replaced")  # the working folders' suffixes (release 0.19.0 wrote .replaced)
-KINDS = ("checkpoint", "plain")  # the table's rows that are checkpoints: this file's, and plain DeepSpeed ones
-# The files a checkpoint's folder holds: DeepSpeed's, RNG_FILE, the record (and its temporary) and OpenRLHF's
-# metric.json. A folder holding anything else (a file of yours, a subfolder) is never deleted, nor a link.
-CHECKPOINT_FILES = re.compile(
-    r"(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt|rng_state_rank\d+\.pt"
-    r"|checkpoint_complete\.json(\.tmp\w+)?|metric\.json"
-)
 LATEST = "latest"  # the file naming the checkpoint to resume, as DeepSpeed's own load reads it
+# A plain DeepSpeed checkpoint (OpenRLHF's own strategy saves them) has no record to check it by or to read
+# another shape with: DeepSpeed's own load takes it in, in its own shape.
+PLAIN_FIX = "load it with engine.load_checkpoint(load_dir, tag) in the shape that saved it, then call save_ckpt"
+# The files a checkpoint's folder holds: DeepSpeed's, RNG_FILE, and the record with its temporary. A folder holding
+# anything else (a file of yours, a subfolder) is never deleted, nor a link.
+CHECKPOINT_FILES = re.compile(
+    r"(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt"
+    r"|rng_state_rank\d+\.pt|checkpoint_complete\.json(\.tmp)?"
+)
 
 
 # A loader's own state, for a resume in the middle of an epoch (OpenRLHF's PPO checkpoints it with client_state).
@@ -784,13 +783,95 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
 
 def training_optimizer(engine):
     """The engine's optimizer; None in an eval engine (prepare(model)), which at ZeRO 3 holds DeepSpeed's weight
-    gatherer, DeepSpeedZeRoOffload, in its place."""
-    return None if type(engine.optimizer).__name__ == "DeepSpeedZeRoOffload" else engine.optimizer
+    gatherer, DeepSpeedZeRoOffload, in its place, and in a module that was never prepared."""
+    optimizer = getattr(engine, "optimizer", None)
+    return None if type(optimizer).__name__ == "DeepSpeedZeRoOffload" else optimizer
 
 
 def model_states_file(stage: int) -> str:
     """The file with the module and the counters. At ZeRO 3 each rank writes one; rank 0's serves."""
     return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def saving_rank(name: str) -> int:
+    """The rank that wrote a checkpoint file, read from its name; 0 for the model states one rank writes for all."""
+    found = re.search(r"(?:pp_rank_|state_rank)(\d+)", name)
+    return int(found.group(1)) if found else 0
+
+
+def fsync(path) -> None:
+    """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def records_digest(archive: zipfile.ZipFile) -> int:
+    """The CRC of a torch.save archive's list of records and their CRCs, read from its central directory alone: a
+    file of the same size copied from another checkpoint differs here."""
+    return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
+
+
+def zip_damage(path, digest=None, rank=0, world_size=1):
+    """What is damaged in the torch.save archive at path (a zip of uncompressed records, each with its CRC, which
+    torch.load does not check), or None: its list of records, against digest where one is given, then the CRC of
+    each record that is this rank's share (every world_size-th, largest first, so huge records go to different
+    ranks). zipfile checks a record's CRC as its last byte is read."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if digest is not None and records_digest(archive) != digest:
+                return f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
+            records = sorted(archive.infolist(), key=lambda info: -info.file_size)
+            for info in records[rank::world_size]:
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                    return f"{path} is damaged (record {info.filename!r} is not stored as torch.save stores it)"
+                with archive.open(info) as record:
+                    while record.read(1 << 24):  # 16 MiB at a time, however large the tensor
+                        pass
+    except Exception as error:  # whatever zipfile makes of the damage (BadZipFile, zlib.error, ...): named
+        return f"{path} is damaged ({error})"
+    return None
+
+
+def load_file(path, **options):
+    """torch.load onto the CPU, naming the file in the error where it fails (an I/O error names none)."""
+    try:
+        return torch.load(path, map_location="cpu", **options)
+    except Exception as error:
+        raise RuntimeError(f"reading {path}: {type(error).__name__}: {error}") from error
+
+
+class DurableWriter(TorchCheckpointEngine):
+    """The writer save_ckpt plugs into DeepSpeed where it takes one (engine.checkpoint_engine): each file DeepSpeed
+    saves is also made durable (fsync) and reported, with its size and records' digest, for the record. Inside a
+    save_ckpt a failed write is noted, and every write after it skipped, instead of raised: raised, it would take
+    this rank out of the barriers inside DeepSpeed's save_checkpoint while the others waited there for the process
+    group's timeout; noted, it reaches every rank at the agreement after the save. Outside one (DeepSpeed's own
+    save_checkpoint, called by you) it writes and raises as DeepSpeed's writer does."""
+
+    failed = None  # inside save_ckpt a list, holding the first (path, error); None outside
+    written = {}  # inside save_ckpt {file name: [size, records digest]} of each file written
+
+    def attempt(self, path, function, *args) -> None:
+        if self.failed is None:  # outside save_ckpt
+            return function(*args)
+        try:
+            if not self.failed:
+                function(*args)
+        except Exception as error:
+            self.failed.append((path, str(error)))  # not the error itself: its traceback holds the file open
+
+    def save(self, state_dict, path: str) -> None:
+        self.attempt(path, self._write, state_dict, path)
+
+    def _write(self, state_dict, path: str) -> None:
+        torch.save(state_dict, path)  # a zip archive, as DeepSpeed's own writer saves by default
+        if self.failed is not None:  # inside save_ckpt: durable, before rank 0 commits, and reported for the record
+            fsync(path)
+            with zipfile.ZipFile(path) as archive:
+                self.written[os.path.basename(path)] = [os.path.getsize(path), records_digest(archive)]
 
 
 class Checkpoints:
@@ -810,25 +891,29 @@ class Checkpoints:
     def save(self, save_dir, tag, max_num, max_mem, client_state, save_latest, metric_value, metric_key) -> None:
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
-        ranks must call it, save_dir must be on a filesystem every rank sees, and one run saves into it at a time.
-        The default tag is global_step<N>. Then checkpoints go until at most max_num and max_mem GiB remain (never
-        the new one or latest's): those without a metric_value first, then the lowest metric_value (higher is
-        better), then the oldest. As in OpenRLHF 0.10: a tag starting with "best" is a best checkpoint, which
-        max_num does not count and rotation never deletes, but max_mem counts; a new best replaces the older best
-        once it is committed. metric_value (with its metric_key, a name) is kept in the checkpoint's record; a NaN
-        or infinite one counts as none, with a warning (one evaluation that diverged must not cost a checkpoint).
+        ranks must call it, save_dir must be on a filesystem every rank sees, and one run saves into it at a time
+        (one model too: a save_dir per model). The default tag is global_step<N>. Then checkpoints go until at most
+        max_num and max_mem GiB remain (never the new one or latest's): those without a metric_value first, then
+        the lowest metric_value (higher is better), then the oldest. As in OpenRLHF 0.10: a tag starting with
+        "best" is a best checkpoint, which max_num does not count and rotation never deletes, but max_mem counts;
+        only the newest best is kept. metric_value (with its metric_key, a name) is kept in the checkpoint's record;
+        a NaN or infinite one counts as none, with a warning (one evaluation that diverged must not cost a
+        checkpoint).
 
-        A save that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every rank,
-        naming the rank, the file and the error, and removes what it wrote; the previous checkpoint and latest stay
-        as they were. A save that save_dir's free space clearly cannot hold (less than the newest checkpoint's
-        size), a tag that cannot name a checkpoint folder, or one whose folder is not a checkpoint, is refused on
-        every rank before anything is written."""
+        A write that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every
+        rank, naming the rank, the file, the error and the free space, and removes what the save wrote; the
+        previous checkpoint and latest stay as they were. An eval engine, a tag that cannot name a checkpoint
+        folder, one whose folder is not a checkpoint, and another model's save into this save_dir are refused on
+        every rank before anything is written. Not covered: an exception inside DeepSpeed's own save before its
+        last barrier (out of memory in the optimizer's state_dict()) leaves the other ranks waiting there."""
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         if not (_is_number(max_mem) and max_mem > 0):  # NaN too
             raise ValueError(f"save_ckpt max_mem {max_mem!r} must be a number of GiB > 0")
-        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         metric, problem = self._metric(metric_value, metric_key)
+        if training_optimizer(self.engine) is None and not problem:  # at ZeRO 3 DeepSpeed's save would fail
+            problem = "save_ckpt saves an engine that trains, not an eval engine (prepare(model)): use save_model"
+        tag = str(tag) if tag is not None or problem else f"global_step{self.engine.global_steps}"
         # On every rank, before anything is written: a refusal on one rank alone would leave the others waiting.
         self._raise_on_every_rank(problem or self._tag_problem(tag), ValueError)
         staging = os.path.join(save_dir, tag + STAGING)
@@ -840,13 +925,13 @@ class Checkpoints:
         problem = next((failed for failed, _ in every_rank if failed), None)
         if problem is None and self.rank == 0:  # one writer for every shared file
             files = {name: spec for _, written in every_rank for name, spec in written.items()}
-            problem = self._commit(save_dir, tag, save_latest, metric, files)
+            problem = self._commit(save_dir, tag, save_latest, self._record(metric, files))
         problem = self._first_of_ranks(problem)
         if problem:  # nothing is committed: give the space back, the record first so no half is ever complete
             if self.rank == 0:
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(staging, DONE_FILE))
-                    self._fsync(staging)  # gone for good: a power cut must not bring back what failed
+                    fsync(staging)  # gone for good: a power cut must not bring back what failed
                 shutil.rmtree(staging, ignore_errors=True)
             dist.barrier()
             raise RuntimeError(problem)
@@ -873,23 +958,22 @@ class Checkpoints:
             return None, f"save_ckpt metric_value {value!r} must be a number, or None for no metric"
         if not math.isfinite(number):
             self.print(f"warning: save_ckpt metric_value {value!r} is not finite: saving without a metric")
-            return None, None
-        return {"key": key, "value": number}, None
+        return ({"key": key, "value": number} if math.isfinite(number) else None), None
 
     def _tag_problem(self, tag):
         """Why tag cannot name a checkpoint's folder in save_dir, or None."""
         odd = tag != tag.strip() or any(c in tag for c in ("/", os.sep, "\0"))  # latest's reader strips it
-        if tag in ("", ".", "..", LATEST) or tag.endswith(WORKING) or odd:
-            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume), nor ending in one of {WORKING}"
-            not_these += " or in spaces"
+        if tag in ("", ".", "..", LATEST) or tag.endswith((STAGING, DELETING)) or odd:
+            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume), nor ending in {STAGING}"
+            not_these += f", {DELETING} or spaces"
             return f"save_ckpt tag {tag!r} must be the name of a folder in save_dir, {not_these}"
         if len((tag + DELETING).encode()) > 255:  # the longest name a save gives the folder
             return f"save_ckpt tag {tag!r} is too long: with {DELETING} after it, it must fit in 255 bytes"
         return None
 
     def _first_of_ranks(self, value):
-        """The first rank's value that is not empty (a problem, a list of candidates), as every rank sees it, or
-        None when every rank's is empty."""
+        """The first rank's value that is not empty (a problem), as every rank sees it, or None when every rank's
+        is empty."""
         if not dist.is_initialized():  # one process, as save_model and load_model allow
             return value or None
         values = [None] * dist.get_world_size()
@@ -908,136 +992,82 @@ class Checkpoints:
             raise error_type(found)
 
     def _start(self, save_dir, tag, save_latest):
-        """On rank 0, before any rank writes: clear what saves and deletes cut short left (the table's rows marked
-        "first"), refuse a tag whose folder is not a checkpoint or that the free space cannot hold, and make
-        <tag>.saving. Returns None, or why the save cannot start."""
+        """On rank 0, before any rank writes: clear the table's rows marked *, refuse a tag whose folder is not a
+        checkpoint and a save_dir whose newest checkpoint holds another model, and make <tag>.saving. Returns
+        None, or why the save cannot start."""
         folder = os.path.join(save_dir, tag)
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for name in sorted(os.listdir(save_dir)):
-                kind = self._kind(save_dir, name)
+            for name in [n for n in sorted(os.listdir(save_dir)) if n.endswith((STAGING, DELETING))]:
                 with contextlib.suppress(OSError):  # what cannot be tidied now (a busy file) waits for a later save
-                    if kind == "checkpoint" and name.endswith(STAGING):  # committed, but not yet renamed
-                        self._rename_over(save_dir, name.removesuffix(STAGING))
-                    elif kind == "cut short" and name.endswith(WORKING):  # no checkpoint any more: removed at once
+                    if name.endswith(STAGING) and self._deletable(os.path.join(save_dir, name), record=True):
+                        self._rename_over(save_dir, name.removesuffix(STAGING))  # committed, but not yet renamed
+                    elif self._deletable(os.path.join(save_dir, name)):
                         shutil.rmtree(os.path.join(save_dir, name))
-                    elif kind == "cut short":  # release 0.19.0's delete cut short: renamed first, as every delete
-                        self._delete(save_dir, name)
-                    elif name.startswith(LATEST + ".tmp") and os.path.isfile(os.path.join(save_dir, name)):
-                        os.remove(os.path.join(save_dir, name))  # a write of latest cut short
-            if os.path.lexists(folder) and not (self._kind(save_dir, tag) in KINDS and self._deletable(folder)):
+            if os.path.lexists(folder) and not self._deletable(folder, record=True):
                 fix = "pass another tag, or move it out of save_dir"
                 return f"save_ckpt refused before writing: {folder} is no checkpoint it may replace; {fix}"
             latest = os.path.join(save_dir, LATEST)
             if save_latest and os.path.lexists(latest) and not os.path.isfile(latest):
                 return f"save_ckpt refused before writing: {latest} is no file, and the save would write it"
-            problem = self._space_problem(save_dir)
-            if problem is None:
-                os.makedirs(folder + STAGING)
-            return problem
+            for newest in list(self._checkpoints(save_dir).values())[-1:]:  # the newest checkpoint, if any
+                saved = (self._read_record(os.path.join(save_dir, newest)) or {}).get("tensors")
+                where = f"{save_dir}'s newest checkpoint, {newest},"
+                mismatch = saved and self._model_mismatch(saved, self._tensor_shapes(self.module), where)
+                if mismatch:
+                    fix = "save each model in a save_dir of its own (a save_dir per model: PPO's actor and critic)"
+                    return f"save_ckpt refused before writing: {mismatch}; {fix}"
+            os.makedirs(folder + STAGING)
         except Exception as error:  # any error: raised here, it would leave the other ranks waiting
             return f"save_ckpt could not start in {save_dir} on rank 0: {error!r}; nothing was written"
-
-    def _kind(self, save_dir, name):
-        """Which row of the section's table the entry save_dir/name is: "checkpoint" (with its record: <tag> or
-        <tag>.saving), "plain" (a plain DeepSpeed checkpoint), "cut short" (a working folder or a half-deleted
-        checkpoint, holding checkpoint files alone), or None (a file, a folder of someone else's)."""
-        path = os.path.join(save_dir, name)
-        if not os.path.isdir(path) or (os.path.islink(path) and name.endswith(WORKING)):
-            return None
-        working = name.endswith(WORKING[1:])  # on its way out, whatever it holds
-        if not working and os.path.isfile(os.path.join(path, DONE_FILE)):
-            return "checkpoint"
-        if working or name.endswith(STAGING) or os.path.isfile(os.path.join(path, RNG_FILE.format(rank=0))):
-            return "cut short" if self._deletable(path) else None
-        if any(os.path.isfile(os.path.join(path, model_states_file(stage))) for stage in (0, 3)):
-            return "plain"
         return None
 
-    def _deletable(self, path) -> bool:
-        """Whether path is a folder, not a link, holding checkpoint files alone (CHECKPOINT_FILES): what save_ckpt
-        may delete."""
-        if not os.path.isdir(path) or os.path.islink(path):
+    def _deletable(self, path, record=False) -> bool:
+        """Whether path is a folder, not a link, holding checkpoint files alone (CHECKPOINT_FILES), and with record
+        a record among them: what save_ckpt may delete, or replace."""
+        if not os.path.isdir(path) or os.path.islink(path) or record and not os.path.isfile(f"{path}/{DONE_FILE}"):
             return False
         return all(CHECKPOINT_FILES.fullmatch(n) and os.path.isfile(os.path.join(path, n)) for n in os.listdir(path))
 
     def _checkpoints(self, save_dir) -> dict:
-        """{tag: (folder, kind)} of every checkpoint in save_dir, "checkpoint" or "plain" (the table), oldest first
-        by when each was completed; <tag>.saving, where it holds a record, stands for <tag>."""
+        """{tag: folder} of this file's checkpoints in save_dir (folders holding a record), oldest first by when
+        each was committed; <tag>.saving stands for <tag>."""
         found = {}
         for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []:  # <tag> before <tag>.saving
-            kind = self._kind(save_dir, name)
-            if kind in KINDS:
-                found[name.removesuffix(STAGING)] = (name, kind)
-        return dict(sorted(found.items(), key=lambda item: (self._completed_at(save_dir, item[1][0]), item[0])))
-
-    def _completed_at(self, save_dir, folder) -> float:
-        """When a checkpoint was completed: its record's time, or a plain DeepSpeed one's model states' time."""
-        names = (DONE_FILE, model_states_file(0), model_states_file(3))
-        return next(
-            os.path.getmtime(p) for p in (os.path.join(save_dir, folder, n) for n in names) if os.path.isfile(p)
-        )
-
-    def _space_problem(self, save_dir):
-        """Why save_dir clearly cannot hold the next checkpoint, or None: its free space against the size of its
-        newest checkpoint, which the next one will roughly match."""
-        folders = [folder for folder, _ in self._checkpoints(save_dir).values()]
-        if not folders:
-            return None
-        sizes = [self._folder_bytes(os.path.join(save_dir, folder)) for folder in folders]
-        need, free = sizes[-1], shutil.disk_usage(save_dir).free
-        if free >= need:
-            return None
-        # Rotation deletes old checkpoints only after the new one is committed, so the disk must hold one more.
-        room = free + sum(sizes) - need  # for the checkpoints kept while the next one is written
-        keep = f"max_num={room // need} or max_mem={room / 2**30:.2f}" if room >= need else "a larger disk"
-        why = f"{save_dir} has {free / 2**20:.1f} MiB free, and the next checkpoint needs about {need / 2**20:.1f} MiB"
-        fix = f"rotation deletes only after a save, so free space by hand (and from then on keep fewer: {keep})"
-        return f"save_ckpt refused before writing: {why} (as large as {folders[-1]}); {fix}"
-
-    def _folder_bytes(self, path: str) -> int:
-        return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+            if not name.endswith(DELETING) and os.path.isfile(os.path.join(save_dir, name, DONE_FILE)):
+                found[name.removesuffix(STAGING)] = name
+        committed = {tag: os.path.getmtime(os.path.join(save_dir, name, DONE_FILE)) for tag, name in found.items()}
+        return {tag: found[tag] for tag in sorted(found, key=lambda tag: (committed[tag], tag))}
 
     def _write_own_files(self, save_dir, tag, client_state):
-        """Write this rank's files of the checkpoint into <tag>.saving; returns (what failed or None, {name: [size,
-        records digest]} of the files it wrote, which rank 0's record lists: rank 0's own listing of a shared
-        folder can miss another node's files for a while, as NFS's attribute cache does). DeepSpeed writes
-        every file through its checkpoint engine's save(state_dict, path): this wraps that method (and the one copy
-        DeepSpeed makes without it) so that each write is also made durable (fsync), and a failure is noted, and
-        the writes after it skipped, instead of raised. Raised, it would take this rank out of the barriers inside
-        DeepSpeed's save_checkpoint while the others wait there until the process group's timeout; noted, it
-        reaches every rank at the agreement after the save."""
-        engine, staging, failed, written = self.engine, os.path.join(save_dir, tag + STAGING), [], {}
+        """Write this rank's files of the checkpoint into <tag>.saving through the DurableWriter; returns (what
+        failed or None, {name: [size, records digest, at ZeRO 1-2 for its optimizer file the slices it holds]} of
+        the files it wrote). Rank 0's record lists the files the ranks report: its own listing of a shared folder
+        can miss another node's files for a while, as NFS's attribute cache does."""
+        engine, staging = self.engine, os.path.join(save_dir, tag + STAGING)
         writer = engine.checkpoint_engine
-        write = writer.save
-
-        def attempt(path, function, *args):  # the first failure is noted; every write after it is skipped
-            if not failed:
-                try:
-                    function(*args)
-                except Exception as error:
-                    failed.append((path, str(error)))  # not the error itself: its traceback holds the file open
-
-        def write_durably(state_dict, path):  # on the disk, not only in the page cache, before rank 0 commits
-            write(state_dict, path)
-            self._fsync(path)
-            written[os.path.basename(path)] = [os.path.getsize(path), self._records_digest(path)]
-
-        writer.save = lambda state_dict, path: attempt(path, write_durably, state_dict, path)
-        # The copy DeepSpeed makes without its writer: at ZeRO 1-3 rank 0 copies its scripts zero_to_fp32.py and
-        # zero_to_torch.py into save_dir, after its last write and before its last barrier.
-        copy_scripts = engine._copy_recovery_script
-        engine._copy_recovery_script = lambda path: attempt(os.path.join(path, "zero_to_fp32.py"), copy_scripts, path)
+        if not isinstance(writer, DurableWriter):  # once per engine
+            writer = engine.checkpoint_engine = DurableWriter()
+            # The one copy DeepSpeed makes without its writer: at ZeRO 1-3 rank 0 copies its scripts zero_to_fp32.py
+            # and zero_to_torch.py into save_dir, after its last write and before its last barrier.
+            copy_scripts = engine._copy_recovery_script
+            engine._copy_recovery_script = lambda path: writer.attempt(path + "/zero_to_fp32.py", copy_scripts, path)
+        writer.failed, writer.written = [], {}
         try:
             writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=self.rank)))
             engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=client_state, save_latest=False)
-            attempt(staging, self._fsync, staging)  # the folder's list of names, too
-        except OSError as error:  # the folder itself is gone (a node that lost its mount)
-            failed.append((staging, str(error)))
+            writer.attempt(staging, fsync, staging)  # the folder's list of names, too
         finally:
-            del writer.save, engine._copy_recovery_script  # the methods of DeepSpeed's classes again
+            failed, writer.failed = writer.failed, None
+        # At ZeRO 1-2 a rank's optimizer file holds one flat range of each group: which slice of which parameter,
+        # its _hp_mapping says (ZeRO 3's layout follows from the shapes). The record keeps them, so that a load
+        # opens only the files holding what it needs.
+        mapped = [(n, getattr(p, "_hp_mapping", None)) for n, p in self.module.named_parameters()]
+        held = {n: [m.lp_fragment_address.start, m.lp_fragment_address.numel] for n, m in mapped if m}
+        for name, spec in writer.written.items():
+            spec += [held] if held and name.endswith("optim_states.pt") else []
         if not failed:
-            return None, written
+            return None, writer.written
         # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
         path, error = failed[0]
         try:
@@ -1048,7 +1078,7 @@ class Checkpoints:
         if limit != resource.RLIM_INFINITY:
             why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
         where = f"on rank {self.rank} ({socket.gethostname()}) writing {path}"
-        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged", written
+        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged", {}
 
     def _get_rng_states(self) -> dict:
         # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
@@ -1060,21 +1090,13 @@ class Checkpoints:
             states["device"] = get_accelerator().get_rng_state()
         return states
 
-    def _fsync(self, path) -> None:
-        """Make a file, or a folder's list of names, durable: flushed from the page cache to the disk."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _commit(self, save_dir, tag, save_latest, metric, files):
+    def _commit(self, save_dir, tag, save_latest, record):
         """On rank 0, once every rank's files are durable: write the record into <tag>.saving, then latest. Returns
         None, or what failed (the caller then removes <tag>.saving, so nothing has changed)."""
         staging = os.path.join(save_dir, tag + STAGING)
         try:
-            self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(self._record(metric, files), indent=1))
-            self._fsync(save_dir)  # <tag>.saving's own name, too, survives a power cut
+            self._write_atomically(os.path.join(staging, DONE_FILE), json.dumps(record, indent=1))
+            fsync(save_dir)  # <tag>.saving's own name, too, survives a power cut
             if save_latest:
                 self._write_atomically(os.path.join(save_dir, LATEST), tag)
         except Exception as error:  # any error: raised here, it would leave the other ranks waiting
@@ -1084,20 +1106,20 @@ class Checkpoints:
 
     def _record(self, metric, files) -> dict:
         """The record load_ckpt reads: the run's shape, the model's tensors and the optimizer's groups by name (a
-        ZeRO 0 checkpoint keys Adam's state by position alone), the metric, every file's size and contents."""
+        ZeRO 0 checkpoint keys Adam's state by position alone), the metric, every file's size and contents, and
+        the slices each optimizer file holds."""
         done = self._run_shape()
         done["tensors"] = self._tensor_shapes(self.module)
-        done["groups"] = getattr(self.engine, "param_group_names", None)
+        done["groups"] = self.engine.param_group_names
         done["metric"] = metric  # {key, value} or None: rotation ranks by it, and it is durable with the rest
-        done["files"] = {name: size for name, (size, _) in sorted(files.items())}
-        # Each file's content, as the CRCs of its records: a same-size file from another checkpoint differs here.
-        done["contents"] = {name: digest for name, (_, digest) in sorted(files.items())}
+        done["files"] = {name: spec[0] for name, spec in sorted(files.items())}
+        done["contents"] = {name: spec[1] for name, spec in sorted(files.items())}  # records_digest
+        done["holds"] = {name: spec[2] for name, spec in files.items() if len(spec) > 2}  # {name: [start, length]}
         done["crc"] = self._record_crc(done)  # the record's own, so a damaged record is told from a missing one
         return done
 
     def _run_shape(self) -> dict:
-        """The run's shape, as a checkpoint records it: DeepSpeed's own load needs all of it unchanged (the
-        accumulation dtype too, since it decides which optimizer class DeepSpeed builds)."""
+        """The run's shape, as a checkpoint records it."""
         s = self.strategy
         shape = dict(world_size=s.world_size, zero_stage=s.stage, bf16=s.bf16, adam_offload=s.adam_offload)
         return dict(shape, grad_accum_dtype=s.grad_accum_dtype)
@@ -1109,65 +1131,53 @@ class Checkpoints:
         shapes.update((name, list(b.shape)) for name, b in module.named_buffers() if name in saved)
         return shapes
 
-    def _records_digest(self, path) -> int:
-        """The CRC of a zip file's list of records and their CRCs, read from its central directory alone."""
-        with zipfile.ZipFile(path) as archive:
-            return zlib.crc32(repr([(info.filename, info.CRC) for info in archive.infolist()]).encode())
-
     def _record_crc(self, done) -> int:
         return zlib.crc32(json.dumps(done, sort_keys=True).encode())
 
     def _write_atomically(self, path: str, text: str) -> None:
-        # mkstemp picks a name no other process can have picked; one made from the pid could clash, since pids
-        # repeat across containers and nodes.
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp")
-        umask = os.umask(0)  # mkstemp's file is its owner's alone: give it the mode any new file gets here
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            self._fsync(tmp)
-            os.replace(tmp, path)
-        except OSError:
-            os.remove(tmp)  # no half-written temporary file left behind
-            raise
-        self._fsync(os.path.dirname(path))  # the rename, too, survives a power cut
+        tmp = path + ".tmp"  # one fixed name: one run saves into a save_dir at a time, and the next write replaces it
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync(os.path.dirname(path))  # the rename, too, survives a power cut
 
     def _rename_over(self, save_dir, tag) -> None:
-        """Make the committed <tag>.saving <tag>, deleting an older <tag> first (in the meantime <tag>.saving is
-        the checkpoint <tag>, the table's second row)."""
-        if os.path.lexists(os.path.join(save_dir, tag)):
-            if not self._deletable(os.path.join(save_dir, tag)):
-                raise OSError(
-                    f"{os.path.join(save_dir, tag)} holds what no checkpoint holds: it stays, as {tag}{STAGING}"
-                )
-            self._delete(save_dir, tag)
-        os.rename(os.path.join(save_dir, tag + STAGING), os.path.join(save_dir, tag))
-        self._fsync(save_dir)
+        """Make the committed <tag>.saving <tag>: an older <tag> is renamed out of the way first and removed last,
+        so the new one takes its name at once (on Lustre removing a folder can take minutes). Until then
+        <tag>.saving is the checkpoint <tag>, the table's second row."""
+        folder = os.path.join(save_dir, tag)
+        if os.path.lexists(folder):
+            if not self._deletable(folder):
+                raise OSError(f"{folder} holds what no checkpoint holds: it stays, as {tag}{STAGING}")
+            os.rename(folder, folder + DELETING)
+        os.rename(folder + STAGING, folder)
+        fsync(save_dir)
+        if os.path.lexists(folder + DELETING):
+            shutil.rmtree(folder + DELETING)
 
     def _delete(self, save_dir, name) -> None:
         """Delete a checkpoint: renamed to <name>.deleting first (and the rename made durable), so a delete cut
         short leaves a working folder that the next save removes, never a checkpoint with files missing."""
         folder = os.path.join(save_dir, name)
         os.rename(folder, folder + DELETING)
-        self._fsync(save_dir)
+        fsync(save_dir)
         shutil.rmtree(folder + DELETING)
 
     def _rotate(self, save_dir, max_num, max_bytes, keep):
-        """After a commit: delete the older best checkpoints if keep is a best one, then the checkpoints over
-        max_num (which best ones do not count) or max_bytes (which they do), in the order save_ckpt's docstring
-        gives, never keep or latest's."""
+        """After a commit: delete every best checkpoint but the newest, then the checkpoints over max_num (which
+        best ones do not count) or max_bytes (which they do), in the order save_ckpt's docstring gives, never keep
+        or latest's."""
         protected = {keep, self._read_latest(save_dir)}
-        # This file's checkpoints and plain DeepSpeed ones (OpenRLHF's, of a run that moved onto this file), oldest
-        # first. A link (a run branched from another run's checkpoint) stays: deleting through it would delete the
-        # other run's checkpoint. So does a folder you put other files in, uncounted.
+        # This file's checkpoints, oldest first. A link (a run branched from another run's checkpoint) stays:
+        # deleting through it would delete the other run's checkpoint. So does a folder you put other files in.
         ours = [tag for tag in self._checkpoints(save_dir) if self._deletable(os.path.join(save_dir, tag))]
         best = [tag for tag in ours if tag.startswith("best")]
-        if keep.startswith("best"):
-            for tag in [t for t in best if t not in protected]:
-                self._delete(save_dir, tag)
-                ours.remove(tag)
+        # Only the newest best stays: a crash between a best's commit and this rotation can leave two.
+        for tag in [t for t in best[:-1] if t not in protected]:
+            self._delete(save_dir, tag)
+            ours.remove(tag)
         sizes = {tag: self._folder_bytes(os.path.join(save_dir, tag)) for tag in ours}
         count, total = len([tag for tag in ours if not tag.startswith("best")]), sum(sizes.values())
         metrics = {tag: self._saved_metric(os.path.join(save_dir, tag)) for tag in ours}
@@ -1179,6 +1189,9 @@ class Checkpoints:
             self._delete(save_dir, tag)
             count, total = count - 1, total - sizes[tag]
 
+    def _folder_bytes(self, path: str) -> int:
+        return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+
     def _read_latest(self, save_dir: str):
         """The tag latest names, or None where there is no latest file or it cannot be read (a folder, binary)."""
         try:
@@ -1188,19 +1201,10 @@ class Checkpoints:
             return None
 
     def _saved_metric(self, folder):
-        """The metric_value a checkpoint was saved with, or None: from its record, or from OpenRLHF's metric.json
-        beside a plain DeepSpeed checkpoint. Unreadable counts as none, so such a checkpoint goes first."""
-        try:
-            if os.path.isfile(os.path.join(folder, DONE_FILE)):
-                with open(os.path.join(folder, DONE_FILE)) as f:
-                    value = (json.load(f).get("metric") or {}).get("value")
-            else:
-                with open(os.path.join(folder, "metric.json")) as f:
-                    value = json.load(f).get("metric_value")
-            value = float(value)
-        except (OSError, ValueError, TypeError, AttributeError):
-            return None
-        return value if math.isfinite(value) else None
+        """The metric_value a checkpoint was saved with, from its record, or None: unreadable counts as none, so
+        such a checkpoint goes first."""
+        value = ((self._read_record(folder) or {}).get("metric") or {}).get("value")
+        return value if _is_number(value) and math.isfinite(value) else None
 
     # ---------------------------------------------------------------------------------------------------------
     # Loading
@@ -1213,139 +1217,80 @@ class Checkpoints:
         must call it. In order:
         1. Choose. A tag names its checkpoint (<tag>.saving where that holds a record: the newer). With tag None:
            the one latest names, saying so where another checkpoint is newer (saved with save_latest=False, or
-           latest set back by hand: latest wins); without latest the newest of this file's checkpoints, also
-           saying so (plain DeepSpeed ones alone are refused, naming them: nothing says which is newest). A
+           latest set back by hand: latest wins); without latest the newest checkpoint, also saying so. A
            candidate that fails its check gives way to the newest that passes, saying why; a named tag that fails
-           raises on every rank. A candidate's files are checked before it is taken, on every rank: sizes, contents
-           and the CRCs of their records, the work spread over the ranks.
+           raises on every rank. Rank 0 lists load_dir and reads the records, for all; each rank checks its share
+           of a candidate's files (sizes, contents, the CRCs of their records), and all agree on one verdict.
         2. Check the model: another model (names or shapes) is refused while load_module_strict holds; without it,
            the tensors that match by name and shape load, the rest keep their values, and rank 0 lists both.
-        3. Load: DeepSpeed's own load where the engine trains in the saving run's shape (bit-exact), else the
-           ReshapingReader at the end of this file: another number of ranks, ZeRO stage, dtype or adam_offload.
-           load_module_only=True loads the weights alone, through the reader whatever the shape, so the fp32
-           masters the next step starts from are written too. An eval engine (prepare(model)) loads the weights
-           alone, whatever load_module_only says.
+        3. Load, in this run's shape, whatever the saving run's (ReshapingReader, at the end of this file): each
+           rank reads the slices it will hold from the files that hold them. load_module_only=True, and an eval
+           engine, load the weights alone (fp32 masters too, which the next step starts from).
         4. Restore the random generators (also with load_module_only).
-        A checkpoint without save_ckpt's record (a plain DeepSpeed one, as OpenRLHF's strategy writes) loads in its
-        own shape, through DeepSpeed's load, with a warning that nothing could be verified; its weights alone
-        (load_module_only, an eval engine) load in any shape where it was saved below ZeRO 3.
+        A failure on any rank (a file that cannot be read) raises on every rank, naming the rank and the file.
 
-        Load only checkpoints you trust: DeepSpeed unpickles its files (torch.load with weights_only=False), so a
-        crafted checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
+        Load only checkpoints you trust: DeepSpeed's files are pickles (read with weights_only=False), so a crafted
+        checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         engine = self.engine
+        if tag is not None and str(tag) == LATEST:
+            why = f"names the file {LATEST}, which holds the tag of the checkpoint to resume"
+            raise ValueError(f"load_ckpt tag {tag!r} {why}: pass tag=None to load that checkpoint")
         folder, done = self._choose_checkpoint(load_dir, tag)
         if folder is None:
-            # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
-            parent, tag = os.path.split(os.path.normpath(load_dir))
-            why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
-            problem = f"{why}: pass load_dir={parent!r} (and tag={tag!r} to load this one)"
-            seen = self._kind(*os.path.split(os.path.normpath(load_dir))) is not None
-            self._raise_on_every_rank(problem if seen else None, ValueError)  # on every rank, seen or not
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
             return None, {}
         ckpt_dir = os.path.join(load_dir, folder)
         here = self._tensor_shapes(engine.module)
-        # Older releases did not record the model's tensors: theirs are taken to be these (and load only natively).
-        saved = here if done["tensors"] is None else done["tensors"]
-        mismatch = self._model_mismatch(saved, here, ckpt_dir)
-        if load_module_strict:
-            self._raise_on_every_rank(mismatch, ValueError)
-        saved_shape = {key: done[key] for key in self._run_shape()}
+        mismatch = self._model_mismatch(done["tensors"], here, f"checkpoint {ckpt_dir}")
+        if mismatch and load_module_strict:  # the same record and model on every rank: each raises alike
+            raise ValueError(mismatch)
+        loadable = {name for name, shape in here.items() if done["tensors"].get(name) == shape}
         trains = training_optimizer(engine) is not None
-        native = saved_shape == self._run_shape() and mismatch is None and trains and not load_module_only
-        # DeepSpeed's load pairs the optimizer's groups by position: groups listed in another order go to the reader.
-        native = native and done["groups"] in (None, getattr(engine, "param_group_names", None))
-        # A plain DeepSpeed checkpoint saved below ZeRO 3 holds the whole module in its model states: its weights
-        # load into any engine. Everything else of it, only DeepSpeed's own load reads.
-        weights_only = load_module_only or not trains
-        plain_weights = done.get("unverified") and weights_only and done["zero_stage"] < 3
-        if done.get("unverified"):
-            why = f"checkpoint {ckpt_dir} has no {DONE_FILE} (a plain DeepSpeed checkpoint)"
-            problem = None
-            if weights_only and not plain_weights:
-                where = "saved at ZeRO 3, it keeps its weights in DeepSpeed's optimizer files"
-                fix = "resume it whole in its own shape (load_module_only=False), call save_ckpt, and load that"
-                problem = f"{why}: {where}, which only DeepSpeed's full load reads: {fix}"
-            elif not native and not plain_weights:
-                fix = f"resume it with {saved_shape}, call save_ckpt once, and resume that checkpoint in any shape"
-                problem = f"{why} loads only in the shape it was saved in: {fix}"
-            elif native and self._grouped_otherwise(done["plain_groups"]):  # DeepSpeed's load pairs them by position
-                groups = f"saved {done['plain_groups']}, here {self.engine.param_group_names}"
-                problem = f"checkpoint {ckpt_dir}'s optimizer groups hold other parameters than this run's: {groups}"
-                problem += "; build the optimizer's groups as the saving run did (OpenRLHF: by parameter name)"
-            self._raise_on_every_rank(problem, ValueError)
-            self.print(f"warning: {why}; loading it unverified (no sizes or CRCs)")
-        elif not native and done["groups"] is None:
-            why = f"checkpoint {ckpt_dir} was saved by an older release of this file: load it whole in its own shape"
-            self._raise_on_every_rank(why, ValueError)
-        loadable = {name for name, shape in here.items() if saved.get(name) == shape}
-        rng_file = os.path.join(ckpt_dir, RNG_FILE.format(rank=self.rank))
-        reader, error = None, None
+        optimizer_states = load_optimizer_states and trains and not load_module_only
+        schedules = load_lr_scheduler_states and trains and not load_module_only
+        reader, rng_states, error = ReshapingReader(engine, ckpt_dir, done), None, None
         try:
-            if plain_weights:
-                load_path = os.path.join(ckpt_dir, model_states_file(0))
-                client_state = torch.load(load_path, map_location="cpu", mmap=True, weights_only=False)
-                self._load_state_dict(client_state["module"], load_module_strict, source=load_path)
-                self._load_engine_state(engine, client_state, False, True, None)
-            elif native:  # DeepSpeed's own load, bit-exact
-                load_path, client_state = engine.load_checkpoint(
-                    load_dir, folder, load_module_strict, load_optimizer_states, load_lr_scheduler_states
-                )
-            else:
-                reader = ReshapingReader(engine, ckpt_dir, done)
-                optimizer_states = load_optimizer_states and trains and not load_module_only
-                client_state = reader.load(loadable, optimizer_states)
-                load_path = os.path.join(ckpt_dir, model_states_file(done["zero_stage"]))
-                schedules = trains and load_lr_scheduler_states and not load_module_only
-                order = reader.match_groups() if schedules else None
-                self._load_engine_state(engine, client_state, load_lr_scheduler_states, load_module_only, order)
-            rng_states = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
+            client_state = reader.load(loadable, optimizer_states)
+            if schedules:
+                reader.check_groups()
+            self._load_engine_state(engine, client_state, schedules, load_module_only)
+            if self.rank < done["world_size"]:  # else a rank the saving run did not have
+                rng_states = load_file(os.path.join(ckpt_dir, RNG_FILE.format(rank=self.rank)), weights_only=True)
         except Exception as caught:  # name it, and let no rank go on alone
-            error = f"checkpoint {ckpt_dir} does not load: {caught!r}"
+            error = f"checkpoint {ckpt_dir} does not load on rank {self.rank} ({socket.gethostname()}): {caught}"
         self._raise_on_every_rank(error, RuntimeError)
-        if reader is not None:
-            reader.finish()  # collective
-            self._raise_on_every_rank(reader.verify(loadable, optimizer_states), RuntimeError)
-            if mismatch:
-                kept, unused = sorted(set(here) - loadable), sorted(set(saved) - loadable)
-                self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
+        reader.finish()  # collective
+        self._raise_on_every_rank(reader.verify(loadable, optimizer_states), RuntimeError)
+        if mismatch:
+            kept, unused = sorted(set(here) - loadable), sorted(set(done["tensors"]) - loadable)
+            self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
         if rng_states is not None:
             self._set_rng_states(rng_states)
-        else:  # a rank the saving run did not have: a seed of its own, the same on every rerun
+        else:  # a seed of its own, the same on every rerun
             self.strategy.set_seed(self.strategy.seed + 1000 * engine.global_steps + self.rank)
-        return load_path, client_state
+        return os.path.join(ckpt_dir, model_states_file(done["zero_stage"])), client_state
 
     def _choose_checkpoint(self, load_dir, tag):
-        """(folder, record) of the checkpoint to load, checked on every rank, or (None, None) where tag is None and
-        load_dir holds no checkpoint: load's step 1."""
-        found = self._checkpoints(load_dir)  # {tag: (folder, kind)}, oldest first
-        latest, problem = self._read_latest(load_dir), None
-        candidates = [str(tag)]
-        if tag is None:  # latest's checkpoint first, then this file's checkpoints, newest first
-            ours = [name for name, (_, kind) in reversed(found.items()) if kind == "checkpoint" and name != latest]
-            candidates = ([latest] if latest is not None else []) + ours
-            if not candidates and found:
-                why = f"load_ckpt found plain DeepSpeed checkpoints in {load_dir} ({', '.join(found)}) but no {LATEST}"
-                fix = f"pass tag=, or write the tag to resume into {os.path.join(load_dir, LATEST)}"
-                problem = f"{why}, and nothing they hold says which is newest: {fix}"
-        self._raise_on_every_rank(problem, ValueError)
+        """(folder, record) of the checkpoint to load, checked, or (None, None) where tag is None and load_dir
+        holds no checkpoint: load's step 1. Rank 0 alone lists load_dir and reads latest and the records, and hands
+        what it found to every rank: a listing that differed between nodes (a network filesystem's cache) would
+        make the ranks choose differently and wait for each other in different collectives."""
+        box = [self._candidates(load_dir, tag) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], tuple):  # (error type, why): alike on every rank
+            raise box[0][0](box[0][1])
         problems = []  # (error type, why) of each candidate that failed, newest first
-        # One list for every rank, since each candidate's check is collective: that of the first rank that sees any.
-        for name in self._first_of_ranks(candidates) or []:
-            folder = found.get(name, (name,))[0]
-            done, problem = self._check_checkpoint(load_dir, folder)
+        for name, folder, done, problem, note in box[0]:
+            path = os.path.join(load_dir, folder)
+            damage = self._damaged_share(path, done) if problem is None else None
+            problem = problem or self._first_of_ranks(
+                damage and (RuntimeError, f"checkpoint {path} does not load: {damage}")
+            )
             if problem is None:
-                newer = list(found)[list(found).index(name) + 1 :] if name in found else []
                 if problems:
-                    self.print(f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes")
-                elif tag is None and latest is None:
-                    self.print(f"{load_dir} has no {LATEST!r} file: resuming from its newest checkpoint, {name}")
-                elif tag is None and newer:
-                    why = "saved with save_latest=False, cut short before latest was written, or latest set back"
-                    also = f"tag={newer[-1]!r} resumes that one"
-                    self.print(
-                        f"{load_dir}: resuming {name}, as latest says, though {newer[-1]} is newer ({why}); {also}"
-                    )
+                    note = f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes"
+                if note:
+                    self.print(note)
                 return folder, done
             problems.append(problem)
         if not problems:
@@ -1353,138 +1298,105 @@ class Checkpoints:
         error_type, why = problems[0]
         raise error_type(why if len(problems) == 1 else f"{why}; and {len(problems) - 1} older ones fail too")
 
-    def _check_checkpoint(self, load_dir, folder):
-        """(record, problem): the record of the checkpoint load_dir/folder, with problem None if it passes, else
-        (error type, why), alike on every rank. Every rank checks that each file is there at its saved size and
-        content, and the CRCs of its share of the files' records (torch.load checks none)."""
-        path, problem = os.path.join(load_dir, folder), None
+    def _candidates(self, load_dir, tag):
+        """On rank 0: the checkpoints to try, in order, each (tag, folder, record, why it cannot load or None, what
+        to say if it loads); or (error type, why) where load_dir cannot be loaded from at all. It never raises: an
+        error on rank 0 alone would leave the others waiting for its answer."""
+        try:
+            found = self._checkpoints(load_dir)  # {tag: folder}, oldest first
+            latest, newest = self._read_latest(load_dir), (list(found) or [None])[-1]
+            names = [str(tag)] if tag is not None else ([latest] if latest else [])
+            if tag is None:  # latest's checkpoint first, then the others, newest first
+                names += [name for name in reversed(found) if name != latest]
+            if not names and self._holds_states(load_dir):
+                # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
+                parent, name = os.path.split(os.path.normpath(load_dir))
+                why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
+                return ValueError, f"{why}: pass load_dir={parent!r} (and tag={name!r} to load this one)"
+            listing = sorted(os.listdir(load_dir)) if not names and os.path.isdir(load_dir) else []
+            plain = [
+                n for n in listing if not n.endswith((STAGING, DELETING)) and self._holds_states(f"{load_dir}/{n}")
+            ]
+            if plain:  # and none of this file's: never a silent fresh start
+                why = f"load_ckpt found plain DeepSpeed checkpoints in {load_dir} ({', '.join(plain)}), none of its own"
+                return ValueError, f"{why}: {PLAIN_FIX}"
+            note = None
+            if tag is None and latest is None and names:
+                note = f"{load_dir} has no {LATEST!r} file: resuming from its newest checkpoint, {names[0]}"
+            elif tag is None and latest in found and newest != latest:
+                why = "saved with save_latest=False, cut short before latest was written, or latest set back"
+                note = f"{load_dir}: resuming {latest}, as latest says, though {newest} is newer ({why}); "
+                note += f"tag={newest!r} resumes that one"
+            folders = [(name, found.get(name, name)) for name in names]
+            return [
+                (name, folder, *self._read_candidate(os.path.join(load_dir, folder)), note) for name, folder in folders
+            ]
+        except Exception as error:  # a listing or a file that cannot be read
+            return RuntimeError, f"load_ckpt cannot read {load_dir} on rank 0: {error!r}"
+
+    def _holds_states(self, folder) -> bool:
+        """Whether folder holds DeepSpeed's model states: a checkpoint, with a record or without (a plain one)."""
+        return any(os.path.isfile(os.path.join(folder, model_states_file(stage))) for stage in (0, 3))
+
+    def _read_candidate(self, path):
+        """On rank 0: (record, None) of the checkpoint at path, or (None, (error type, why it cannot load))."""
         if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
-            if done is None:
-                problem = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
-        else:
-            try:
-                done = self._plain_deepspeed_record(path)
-            except Exception as error:  # its model states damaged: this candidate fails, an older one may pass
-                done, problem = None, (RuntimeError, f"checkpoint {path} does not load: {error!r}")
-            if done is None and problem is None:
-                what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
-                why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
-                fix = "load an earlier tag, or tag=None"
-                problem = (FileNotFoundError, f"{what}: {why}; {fix}")
-        if done is not None:
-            # What older releases did not record: the shape is taken to be this run's, and the model to match.
-            done = {**self._run_shape(), "files": {}, "contents": {}, "tensors": None, "groups": None, **done}
-            damage = self._damaged_files(path, done["files"], done["contents"], self.rank, self.world_size)
-            problem = (RuntimeError, f"checkpoint {path} does not load: {damage}") if damage else None
-        return done, self._first_of_ranks(problem)
+            return done, None if done else (
+                RuntimeError,
+                f"checkpoint {path} does not load: its {DONE_FILE} is damaged",
+            )
+        if self._holds_states(path):
+            why = "a plain DeepSpeed checkpoint, or one whose record was lost"
+            return None, (ValueError, f"checkpoint {path} has no {DONE_FILE} ({why}): {PLAIN_FIX}")
+        what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
+        why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
+        return None, (FileNotFoundError, f"{what}: {why}; load an earlier tag, or tag=None")
 
     def _read_record(self, path):
-        """A checkpoint's record, or None if it is damaged (it carries its own CRC; older releases wrote none)."""
+        """A checkpoint's record, or None if it is damaged (it carries its own CRC) or unreadable."""
         try:
             with open(os.path.join(path, DONE_FILE)) as f:
                 done = json.load(f)
-        except (OSError, ValueError):
+            crc = done.pop("crc")
+        except (OSError, ValueError, KeyError, AttributeError):
             return None
-        crc = done.pop("crc", None)
-        return done if crc in (None, self._record_crc(done)) else None
+        return done if crc == self._record_crc(done) else None
 
-    def _plain_deepspeed_record(self, path):
-        """What a checkpoint without a record (plain DeepSpeed's, OpenRLHF's) tells of its run shape, from its
-        model-states file and the ds_config saved there: enough to tell whether DeepSpeed's own load fits. None
-        unless path holds DeepSpeed's files and none of save_ckpt's (not one of save_ckpt's that lost its record)."""
-        if self._kind(*os.path.split(path)) != "plain":
-            return None
-        name = next(n for n in map(model_states_file, (0, 3)) if os.path.isfile(os.path.join(path, n)))
-        states = torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=False)
-        config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
-        zero = config.get("zero_optimization", {})
-        offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
-        accumulate = (config.get("data_types") or {}).get("grad_accum_dtype")
-        bf16 = bool((config.get("bf16") or {}).get("enabled"))
-        shape = dict(world_size=states["dp_world_size"], zero_stage=zero.get("stage", 0), bf16=bf16)
-        groups = [list(shapes) for shapes in states.get("param_shapes") or []]  # at ZeRO 1-3: names, per group
-        return dict(shape, adam_offload=offload, grad_accum_dtype=accumulate, unverified=True, plain_groups=groups)
-
-    def _damaged_files(self, folder, sizes, contents, rank, world_size):
-        """What is wrong with the first damaged file in folder, or None. Every rank checks that each file of sizes
-        ({name: bytes}) is there at its size and holds the records contents names ({name: _records_digest}, where
-        recorded), then the CRCs of its share of the files' records: those starting in its world_size-th of all the
-        records' bytes, counted over all the files (ZeRO's files hold a few huge records, so shares by count could
-        give one rank most of the bytes). torch.save writes a zip archive, each tensor a record stored uncompressed
-        with its CRC: this computes each CRC straight from the memory-mapped file."""
-        archives, seen = [], 0  # seen: the bytes of the records before this one, over all the files
-        try:
-            for name, size in sizes.items():
-                path = os.path.join(folder, name)
-                found = os.path.getsize(path) if os.path.isfile(path) else None
-                if found != size:
-                    state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                    return f"{path} {state} on {socket.gethostname()}"
-                if contents.get(name) not in (None, self._records_digest(path)):
-                    return f"{path} is not the file this checkpoint saved (its records differ; copied from another?)"
-                with zipfile.ZipFile(path) as archive:
-                    archives.append((name, path, archive.infolist()))
-            total = sum(info.compress_size for _, _, infos in archives for info in infos)
-            for name, path, infos in archives:
-                with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                    with memoryview(data) as view:
-                        for info in infos:
-                            mine = min(world_size - 1, seen * world_size // max(total, 1)) == rank
-                            seen += info.compress_size
-                            if not mine:
-                                continue
-                            if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
-                                return f"{name} is damaged (record {info.filename!r} says it is compressed)"
-                            # A record's bytes follow its 30-byte local header, whose bytes 26 to 29 hold the lengths
-                            # of the name and the extra field that come next.
-                            name_length, extra_length = struct.unpack_from("<HH", view, info.header_offset + 26)
-                            start = info.header_offset + 30 + name_length + extra_length
-                            if zlib.crc32(view[start : start + info.compress_size]) != info.CRC:
-                                return f"{name} is damaged (Bad CRC-32 for file {info.filename!r})"
-        except (OSError, ValueError, NotImplementedError, struct.error, zipfile.BadZipFile) as error:
-            return f"{name} is damaged ({error})"
+    def _damaged_share(self, path, done):
+        """What is wrong with this rank's share of the checkpoint's files, or None. Rank r of this run checks the
+        files saving rank r (and r + world_size, ...) wrote, the model states shared by all with rank 0's: each at
+        its saved size, holding the records its record names, every record's CRC right. In the same run shape
+        these are the files each rank reads; the file rank 0 reads the record from, only rank 0 opens."""
+        for name, size in done["files"].items():
+            if saving_rank(name) % self.world_size != self.rank:
+                continue
+            file = os.path.join(path, name)
+            found = os.path.getsize(file) if os.path.isfile(file) else None
+            if found != size:
+                state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
+                return f"{file} {state} on {socket.gethostname()}"
+            problem = zip_damage(file, done["contents"].get(name))
+            if problem:
+                return problem
         return None
 
-    def _model_mismatch(self, saved, here, ckpt_dir):
-        """Why the checkpoint's tensors ({name: shape}) are another model's than here (its first differing names
-        and shapes), else None."""
+    def _model_mismatch(self, saved, here, where):
+        """Why the saved tensors ({name: shape}) are another model's than here (the first differing names and
+        shapes), else None."""
         differing = [name for name in sorted(set(saved) | set(here)) if saved.get(name) != here.get(name)]
         if not differing:
             return None
         shown = [f"{n}: saved {saved.get(n, 'absent')}, here {here.get(n, 'absent')}" for n in differing[:3]]
-        return f"checkpoint {ckpt_dir} holds another model: {len(differing)} tensors differ ({', '.join(shown)})"
+        return f"{where} holds another model: {len(differing)} tensors differ ({', '.join(shown)})"
 
-    def _grouped_otherwise(self, saved):
-        """Whether a plain checkpoint's optimizer groups (saved: the names of each, which ZeRO 3 may have cut into
-        consecutive sub-groups; none at ZeRO 0) hold other parameters than this engine's."""
-        if not saved:  # ZeRO 0 saves no names
-            return False
-        trained = {name for name, p in self.module.named_parameters() if p.requires_grad}
-        rest = list(saved)
-        for names in self.engine.param_group_names:
-            wanted, taken = trained.intersection(names), set()  # the names DeepSpeed saved for this group
-            while rest and len(taken) < len(wanted):
-                taken.update(rest.pop(0))
-            if taken != wanted:
-                return True
-        return bool(rest)
-
-    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only, order):
+    def _load_engine_state(self, engine, states, load_lr_scheduler_states, load_module_only):
         """What DeepSpeed's own load restores besides the model and the optimizer: the scheduler and the counters
-        (not with load_module_only). The scheduler's lists of one entry per optimizer group (LambdaLR's base_lrs,
-        ...) are put in this run's group order (order: each group's saved index, or None to keep this run's).
-        Leaves in states what that load returns as client_state: what save_ckpt's caller passed, and the entries of
-        DeepSpeed's own that its load leaves there too (ds_config, ...)."""
+        (not with load_module_only). Leaves in states what that load returns as client_state: what save_ckpt's
+        caller passed, and the entries of DeepSpeed's own that its load leaves there too (ds_config, ...)."""
         if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None:
-                scheduler, now = dict(states["lr_scheduler"]), engine.lr_scheduler.state_dict()
-                for key, saved in scheduler.items():  # not _schedulers: SequentialLR's list is one per scheduler
-                    per_group = isinstance(saved, list) and len(saved) == len(engine.param_group_names)
-                    if order and per_group and key != "_schedulers":
-                        mine = now.get(key, saved)
-                        scheduler[key] = [mine[i] if j is None else saved[j] for i, j in enumerate(order)]
-                engine.lr_scheduler.load_state_dict(scheduler)
+                engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
             engine.global_steps = states["global_steps"]
             engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
             engine.skipped_steps = states["skipped_steps"]
@@ -1496,14 +1408,12 @@ class Checkpoints:
         random.setstate(states["python"])
         torch.set_rng_state(states["torch"])
         numpy.random.set_state(states["numpy"])  # numpy takes the generator's keys as a list too
-        here = get_accelerator().device_name()
-        # Older releases saved the device's generator, unnamed, off the CPU alone. On the CPU, torch's is the device's.
-        saved_on = states.get("device_type", here if "device" in states else "cpu")
+        here, saved_on = get_accelerator().device_name(), states["device_type"]
         if saved_on != here:  # a CUDA state on a CPU, or none for this GPU: a seed of its own, as for a new rank
             if here != "cpu":
                 get_accelerator().manual_seed(self.strategy.seed + 1000 * self.engine.global_steps + self.rank)
             self.print(f"the checkpoint's {saved_on} generator cannot go on on {here}: {here}'s is seeded anew")
-        elif here != "cpu":
+        elif here != "cpu":  # on the CPU, torch's generator is the device's
             get_accelerator().set_rng_state(states["device"])
 
     # ---------------------------------------------------------------------------------------------------------
@@ -1527,8 +1437,11 @@ class Checkpoints:
         """Rank 0's part of save_model. The files are written into a folder inside output_dir first. Then every
         file of an earlier save that this one writes too goes, and every earlier weight file (a loader could read
         them instead of the new ones, or with them: a model.safetensors beside a new pytorch_model.bin), before the
-        new files are renamed into place: cut short, output_dir never holds a file of each save. Its other files
-        stay as they are: a file named as weights are (WEIGHT_FILES) is taken for an earlier save's."""
+        new files are renamed into place: cut short, output_dir never holds a file of each save. The new files are
+        durable before any earlier one goes; cut short between the removal and the renames, output_dir holds no
+        weights, and the new ones lie complete in output_dir/.saving-<random>, to move up by hand (the next
+        save_model removes that folder). Its other files stay as they are: a file named as weights are
+        (WEIGHT_FILES) is taken for an earlier save's."""
         os.makedirs(output_dir, exist_ok=True)
         for name in [n for n in os.listdir(output_dir) if n.startswith(".saving-")]:  # a save_model killed earlier
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
@@ -1541,13 +1454,15 @@ class Checkpoints:
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(staging)
             new = sorted(os.listdir(staging), key=lambda name: name.endswith(".index.json"))  # indexes last
+            for name in new:
+                fsync(os.path.join(staging, name))  # on the disk before any earlier file goes
+            fsync(staging)
             for name in [n for n in os.listdir(output_dir) if n in new or WEIGHT_FILES.fullmatch(n)]:
                 os.remove(os.path.join(output_dir, name))
-            self._fsync(output_dir)  # gone for good before any new file takes a name
+            fsync(output_dir)  # gone for good before any new file takes a name
             for name in new:
-                self._fsync(os.path.join(staging, name))  # on the disk before it takes the name
                 os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-            self._fsync(output_dir)
+            fsync(output_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -1590,15 +1505,14 @@ class Checkpoints:
         # this and reads only its shards, the ranks share the check.
         zero3 = any(hasattr(p, "ds_id") for p in self.module.parameters())  # partitioned
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
-        folder, name = os.path.split(os.path.abspath(path))
-        size = os.path.getsize(path) if os.path.isfile(path) else -1  # -1: the check names it missing
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
-        problem = self._damaged_files(folder, {name: size}, {}, rank, world_size) if zipped or size < 0 else None
+        problem = f"{path} is missing" if not os.path.isfile(path) else None
+        problem = problem or (zip_damage(path, None, rank, world_size) if zipped else None)
         every_rank = isinstance(self.engine, deepspeed.DeepSpeedEngine) or zero3  # every rank calls it
         if every_rank:
             problem = self._first_of_ranks(problem)
         if problem:
-            raise ValueError(f"refusing to load {path}: {problem}")
+            raise ValueError(f"refusing to load: {problem}")
         caught = None
         try:  # memory-mapped where the format allows: a tensor is read only where it is used
             state_dict = torch.load(path, map_location=map_location, weights_only=True, mmap=zipped)
@@ -1614,11 +1528,14 @@ class Checkpoints:
             self._raise_on_every_rank(caught)
         elif caught:
             raise caught
+        if zero3:
+            gather_persistent(self.module)  # collective
 
     def _load_state_dict(self, state_dict, strict, source) -> None:
         """Write state_dict into model's tensors, at ZeRO 3 each rank only its own partition (there
-        module.load_state_dict would meet the (0,) placeholders ZeRO 3 leaves between uses, not the weights), then
-        into a training engine's fp32 master copy, which the next step would otherwise write back."""
+        module.load_state_dict would meet the (0,) placeholders ZeRO 3 leaves between uses, not the weights; the
+        caller then gathers the small parameters every rank keeps whole), then into a training engine's fp32
+        master copy, which the next step would otherwise write back."""
         # {key: the parameter or buffer itself}, a tied tensor under each of its names; at ZeRO 3 too.
         tensors = self.module.state_dict(keep_vars=True)
         if not set(state_dict) & set(tensors):
@@ -1646,12 +1563,15 @@ class Checkpoints:
 WEIGHT_FILES = re.compile(r"(pytorch_model|model)(-\d+-of-\d+)?\.(bin|safetensors)(\.index\.json)?")
 
 
-# The reader of another run shape: DeepSpeed's private save formats, what a maintainer needs.
+# The reader: DeepSpeed's private save formats, what a maintainer needs.
 #
-# DeepSpeed's own load needs the run shape that saved the checkpoint. For any other, load_ckpt reads the saved
-# files at load time, rather than saving a second, shape-free copy of every checkpoint: saving stays as fast and
-# as large as DeepSpeed's. The files are memory-mapped, so a rank reads only the slices of each tensor it will
-# hold; a full tensor exists only where the new run keeps one whole.
+# load_ckpt reads DeepSpeed's files itself, in every run shape, the saving run's too: one path, which writes the
+# fp32 masters whatever the options, fails on every rank alike (no collective runs until all have read), and
+# scales. Each rank opens only the saved files holding a slice of what it will hold (the record says which slices
+# each ZeRO 1-2 optimizer file holds; ZeRO 3's are computed): in the same shape its own; resuming at ZeRO 3, the
+# files whose slices overlap its partition; at ZeRO 1-2, those overlapping its flat range; at ZeRO 0, where every
+# rank keeps everything, all. They are memory-mapped, so only those slices are read from disk; saving stays as
+# fast and as large as DeepSpeed's, with no second, shape-free copy.
 #
 # Both sides deal in slices of flattened tensors. The saved side is a dict of Pieces: pieces[name, key] lists the
 # saved slices of one tensor, key "value" (the fp32 master weight of a trained parameter, a frozen parameter or a
@@ -1714,18 +1634,10 @@ class Fragment(NamedTuple):
     length: int
 
 
-class SavedCheckpoint(NamedTuple):
-    pieces: dict  # (name, key) -> [Piece]
-    groups: list  # the saved optimizer's param groups (their hyperparameters), as the record's "groups" names them
-    step: int  # the optimizer's step count to resume from
-    state_keys: set  # the optimizer's per-parameter state keys besides its step
-    model_states: dict  # the saved model-states file: the counters, the scheduler and client_state
-
-
 class ReshapingReader:
     """Writes a checkpoint saved in any run shape into an engine (see the section's header): the fp32 masters and,
     with optimizer_states, the optimizer's state, step and each group's hyperparameters; frozen parameters and
-    buffers; the 16-bit weights, except where update_lp_params() must follow on every rank (finish())."""
+    buffers; the 16-bit weights, except where finish() must follow on every rank."""
 
     def __init__(self, engine, ckpt_dir: str, done: dict):
         self.engine, self.ckpt_dir, self.done = engine, ckpt_dir, done
@@ -1738,63 +1650,69 @@ class ReshapingReader:
         """Write the tensors named in loadable (the rest keep their values), and with optimizer_states (which needs
         an optimizer) the optimizer's state; returns the saved model states. Every check that can refuse comes
         first, so a refusal leaves the engine as it was."""
-        saved = self.saved = self.read_saved()
         fragments = list(self.owned_fragments()) if self.optimizer is not None else []
+        fragments = [(fragment, master) for fragment, master in fragments if fragment.name in loadable]
+        # The 16-bit weights of trained parameters come from their masters: written here where this rank holds
+        # the whole master (or its ZeRO 3 partition); where a flat range cuts them, finish() gathers them.
+        cut = self.trained_names() if self.kind in FLAT_RANGES else set()
+        module = self.engine.module
+        tensors = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n in loadable - cut]
+        # What this rank writes, as (name, first element, length): the saved files to open are those holding it.
+        wanted = [(f.name, f.start, f.length) for f, _ in fragments]
+        wanted += [(name, *partition_span(tensor)) for name, tensor in tensors]
+        self.read_saved(wanted)
         base = getattr(self.optimizer, "optimizer", self.optimizer)  # the wrappers hold torch's or DeepSpeed's Adam
         if optimizer_states:
-            keys = self.state_keys(base, saved)
-            matches = [saved.groups[index] if index is not None else {} for index in self.match_groups()]
+            keys = self.state_keys(base)
+            self.check_groups()
         # Checked: from here on only writes.
         for (name, start, offset, length), master in fragments:
-            if name not in loadable:
-                continue
-            master.view(-1)[offset : offset + length] = read_elements(saved.pieces[name, "value"], start, length)
+            master.view(-1)[offset : offset + length] = read_elements(self.pieces[name, "value"], start, length)
             if optimizer_states:
                 state = base.state[master]  # torch's optimizers make an entry for any key asked for
                 for key in keys:
                     # Not setdefault, whose default (a tensor the size of the master) would be built on every call.
                     if key not in state:
                         state[key] = torch.zeros_like(master)
-                    values = read_elements(saved.pieces.get((name, key), []), start, length)
+                    values = read_elements(self.pieces.get((name, key), []), start, length, required=False)
                     state[key].view(-1)[offset : offset + length] = values
                 # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
                 # capturable), DeepSpeedCPUAdam in an int.
                 on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
                 device = master.device if on_device else "cpu"
                 is_torch = type(base).__module__.startswith("torch.")
-                state["step"] = torch.tensor(float(saved.step), device=device) if is_torch else saved.step
+                state["step"] = torch.tensor(float(self.step), device=device) if is_torch else self.step
         if optimizer_states:
-            for group, saved_group in zip(base.param_groups, matches, strict=True):
-                # The hyperparameters ({} where no saved group matches), not the switches of how a step is computed.
+            for group, saved_group in zip(base.param_groups, self.groups):
+                # The hyperparameters, not the switches of how a step is computed.
                 switches = {"params", "foreach", "fused", "capturable", "differentiable"}
                 group.update({key: value for key, value in saved_group.items() if key not in switches})
-        # The 16-bit weights of trained parameters come from their masters: written here where this rank holds
-        # the whole master (or its ZeRO 3 partition); where a flat range cuts them, finish() gathers them.
-        cut = self.trained_names() if self.kind in FLAT_RANGES else set()
-        module = self.engine.module
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            if name in loadable and name not in cut:  # loadable holds saved tensors only
-                write_tensor(tensor, saved.pieces[name, "value"])
-        return saved.model_states
+        for name, tensor in tensors:
+            write_tensor(tensor, self.pieces[name, "value"])
+        return self.model_states
 
     def finish(self) -> None:
-        """After every rank loaded: each rank's masters into every rank's 16-bit weights (collective)."""
+        """After every rank loaded (collective): at ZeRO 1-2 each rank's masters into every rank's 16-bit weights;
+        at ZeRO 3 the small parameters every rank keeps whole, gathered from the partitions just written."""
         if self.kind in FLAT_RANGES:
             self.optimizer.update_lp_params()
+        gather_persistent(self.engine.module)
 
     def verify(self, loadable: set, optimizer_states: bool):
         """What DeepSpeed's public getters read back otherwise than the checkpoint holds, or None (collective). The
         reader writes into DeepSpeed's private layouts, which a newer DeepSpeed may change: each group's first and
         last parameter (those of them that train and were loaded), its fp32 master and (with optimizer_states) Adam's
         moments, are read back through safe_get_full_fp32_param and safe_get_full_optimizer_state (at ZeRO 0 torch's
-        optimizer has no getter)."""
+        optimizer has no getter) and compared with every slice this rank read of them."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self.optimizer is None:  # an eval engine: its weights alone, no masters
             return None
-        # At ZeRO 1-2 DeepSpeed links its getters to Adam's state on the first step; this links the state just written.
+        # At ZeRO 1-2 DeepSpeed links its getters to Adam's state once, after the first step's first group (the
+        # other groups' state does not exist yet): linked anew here, to all of the state just written.
         link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if optimizer_states and link is not None:
+            self.optimizer._hp_optimizer_states_linked = False
             link()
         params, trained = dict(self.engine.module.named_parameters()), self.trained_names()
         ends = [name for names in self.engine.param_group_names for name in (names[0], names[-1])]
@@ -1803,13 +1721,14 @@ class ReshapingReader:
             for key in ("value", *MOMENTS) if optimizer_states else ("value",):
                 param = params[name]
                 got = safe_get_full_fp32_param(param) if key == "value" else safe_get_full_optimizer_state(param, key)
-                if got is None or (name, key) not in self.saved.pieces:
+                if got is None or (name, key) not in self.pieces:
                     continue
                 got = got.detach().float().flatten().cpu()  # from here on the device holds no copy
-                if not torch.equal(got, read_elements(self.saved.pieces[name, key], 0, got.numel()).float()):
-                    why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
-                    fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
-                    return f"checkpoint {self.ckpt_dir} loaded in another shape, but {why}: {fix}; do not train on"
+                for start, values in self.pieces[name, key]:
+                    if not torch.equal(got[start : start + len(values)], values.float()):
+                        why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
+                        fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
+                        return f"checkpoint {self.ckpt_dir} loaded, but {why}: {fix}; do not train on"
         return None
 
     def groups_and_masters(self):
@@ -1821,8 +1740,7 @@ class ReshapingReader:
             params = [group["params"] for group in self.optimizer.param_groups]
             return params, params  # fp32 at ZeRO 0: the parameters are their own masters
         readable = ", ".join(["torch's optimizer at ZeRO 0", *WRAPPERS])
-        why = f"load_ckpt resumes another run shape into {readable}; this engine's optimizer is {self.kind}"
-        raise ValueError(f"{why}: resume in the checkpoint's own shape ({self.done['zero_stage']=})")
+        raise ValueError(f"load_ckpt writes into {readable}; this engine's optimizer is {self.kind}")
 
     def trained_names(self) -> set:
         return {self.names[id(p)] for params in self.groups_and_masters()[0] for p in params}
@@ -1844,58 +1762,80 @@ class ReshapingReader:
                 for p, copy in zip(params, master, strict=True):
                     yield Fragment(self.names[id(p)], 0, 0, p.numel()), copy
 
-    def state_keys(self, base, saved: SavedCheckpoint) -> set:
+    def state_keys(self, base) -> set:
         """The state keys this run's optimizer steps with, which must be the saved ones: refuses otherwise."""
-        amsgrad = any(group.get("amsgrad") for group in saved.groups)  # the saved hyperparameters come along
+        amsgrad = any(group.get("amsgrad") for group in self.groups)  # the saved hyperparameters come along
         if isinstance(base, deepspeed.ops.adam.DeepSpeedCPUAdam):
             expected = set(MOMENTS)
         elif type(base) in (torch.optim.Adam, torch.optim.AdamW):
             expected = set(MOMENTS) | ({"max_exp_avg_sq"} if amsgrad else set())
         else:
             why = f"load_ckpt carries the state of torch's Adam and AdamW and of DeepSpeedCPUAdam, not {type(base)}"
-            raise ValueError(f"{why}: resume in the checkpoint's own shape, or pass load_optimizer_states=False")
-        if saved.state_keys and saved.state_keys != expected:
-            differ = f"saved {sorted(saved.state_keys)}, {type(base).__name__} here steps with {sorted(expected)}"
+            raise ValueError(f"{why}: pass load_optimizer_states=False to load the weights and the schedule alone")
+        if self.saved_keys and self.saved_keys != expected:
+            differ = f"saved {sorted(self.saved_keys)}, {type(base).__name__} here steps with {sorted(expected)}"
             raise ValueError(f"checkpoint {self.ckpt_dir} holds other optimizer state: {differ}")
         return expected
 
-    def match_groups(self) -> list:
-        """For each of this run's optimizer groups, the index of the saved group holding its parameters (None if
-        none does): groups are matched by their parameters' names, never by position."""
+    def check_groups(self) -> None:
+        """Refuses another grouping: the optimizer's groups, their hyperparameters and the scheduler's per-group
+        lists pair by position, so each group of this run may hold, of the saved groups' parameters, only those of
+        the saved group at its place (fewer will do: a layer frozen since)."""
         here, saved = self.engine.param_group_names, self.done["groups"]
-        matches = []
-        for names in here:
-            owners = {index for index, saved_names in enumerate(saved) for name in names if name in saved_names}
-            if len(owners) > 1:
-                why = f"this run groups the parameters otherwise: saved {saved}, here {here}"
-                raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match: {why}")
-            matches.append(owners.pop() if owners else None)
-        return matches
+        owner = {name: index for index, names in enumerate(saved) for name in names}
+        if len(here) > len(saved) or any(owner.get(n, i) != i for i, names in enumerate(here) for n in names):
+            why = f"saved {saved}, here {here}: build the optimizer's groups in the saving run's order"
+            raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match this run's: {why}")
 
-    def read_saved(self) -> SavedCheckpoint:
-        """The checkpoint's pieces and optimizer state, read by the function for the layout of the ZeRO stage that
-        saved it. Frozen parameters and buffers lie whole in rank 0's model file below ZeRO 3."""
+    def read_saved(self, wanted) -> None:
+        """Read the checkpoint's pieces and optimizer state that hold wanted ([(name, first element, length)]), by
+        the function for the layout of the ZeRO stage that saved it, from rank 0's model states (the counters, the
+        scheduler, client_state) and the files of the saving ranks that hold them: self.pieces ((name, key) ->
+        [Piece]), self.groups (the saved optimizer groups' hyperparameters), self.step (the optimizer's step count
+        to resume from), self.saved_keys (its per-parameter state keys besides the step), self.model_states."""
         self.pieces, self.steps, self.saved_keys = {}, [], set()
         stage, tensors = self.done["zero_stage"], self.done["tensors"]
-        model_states = self.read_file(model_states_file(stage))
+        model_states = self.model_states = self.read_file(model_states_file(stage))
         if stage == 0:
-            groups = self.read_zero0(model_states)
+            self.groups = self.read_zero0(model_states)
         elif stage < 3:
-            groups = self.read_zero12()
+            self.groups = self.read_zero12(self.saved_ranks(wanted))
         else:
-            groups = self.read_zero3(model_states["param_shapes"])
+            self.groups = self.read_zero3(model_states, self.saved_ranks(wanted))
         # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
         # the module, at ZeRO 3 in the frozen fragments read_zero3 read; buffers lie whole in the module at every stage.
-        for name in tensors:
+        stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
+        for name in set(tensors) - stepped:
             if (name, "value") not in self.pieces and (stage < 3 or name in model_states["buffer_names"]):
                 self.add(name, "value", 0, model_states["module"][name])
-            if (name, "value") not in self.pieces:
-                raise ValueError(f"checkpoint {self.ckpt_dir} holds no value of {name}: it was not saved whole")
-        return SavedCheckpoint(self.pieces, groups, int(max(self.steps, default=0)), self.saved_keys, model_states)
+        self.step = int(max(self.steps, default=0))
+
+    def saved_ranks(self, wanted) -> list:
+        """The saving ranks (ZeRO 1-3) whose files hold a slice of wanted ([(name, first element, length)]), and
+        the one of this rank's number (so some file gives the optimizer's groups). At ZeRO 3 saving rank r holds
+        elements [r * size, (r + 1) * size) of each parameter; at ZeRO 1-2 the record's "holds" says what each
+        file holds (a record of release 0.20.0 has none: all are read)."""
+        world_size, holds = self.done["world_size"], self.done.get("holds")
+        ranks = {dist.get_rank() % world_size}
+        if self.done["zero_stage"] < 3 and holds is None:
+            return list(range(world_size))
+        spans = {}  # ZeRO 1-2: {name: [(saving rank, first element, length)]}
+        for name, held in (holds or {}).items():
+            for param, (start, length) in held.items():
+                spans.setdefault(param, []).append((saving_rank(name), start, length))
+        for name, start, length in wanted:
+            if self.done["zero_stage"] == 3:
+                size = zero3_slice(math.prod(self.done["tensors"][name]), world_size, 0)[2]
+                ranks.update(range(start // size, min(world_size, (start + length - 1) // size + 1)))
+            else:
+                ranks.update(
+                    rank for rank, low, count in spans.get(name, []) if low < start + length and start < low + count
+                )
+        return sorted(ranks)
 
     def read_file(self, name):
         """A saved file, memory-mapped: its tensors are read from disk only where they are sliced."""
-        return torch.load(os.path.join(self.ckpt_dir, name), map_location="cpu", mmap=True, weights_only=False)
+        return load_file(os.path.join(self.ckpt_dir, name), mmap=True, weights_only=False)
 
     def optimizer_file(self, rank: int) -> str:
         """Rank's optimizer file at ZeRO 1-3, found by the end of its name (bf16 runs prefix it with bf16_)."""
@@ -1930,28 +1870,33 @@ class ReshapingReader:
                 self.add_state(name, 0, torch_state["state"].get(index, {}))
         return torch_state["param_groups"]
 
-    def read_zero12(self) -> list:
+    def read_zero12(self, ranks) -> list:
         """ZeRO 1 and 2: each rank's optimizer file holds one flat range of fp32 weights per group, and Adam's
-        moments alike; its param_slice_mappings say where each parameter's fragment lies in it. The parameters
-        are laid end to end and cut into one range per rank, so a parameter's fragments follow each other in rank
-        order. Returns the groups' hyperparameters (of the last file: every rank's are the same)."""
+        moments alike; its param_slice_mappings say where each parameter's fragment lies in it, and the record's
+        holds which elements of the parameter that is. (The parameters are laid end to end and cut into one range
+        per rank, so without holds a parameter's fragments follow each other in rank order.) Returns the groups'
+        hyperparameters (of the last file: every rank's are the same)."""
         seen = dict.fromkeys(self.done["tensors"], 0)  # each parameter's elements in earlier ranks' fragments
-        for rank in range(self.done["world_size"]):
-            saved = self.read_file(self.optimizer_file(rank))["optimizer_state_dict"]
+        for rank in ranks:
+            name_of_file = self.optimizer_file(rank)
+            held = (self.done.get("holds") or {}).get(name_of_file)
+            saved = self.read_file(name_of_file)["optimizer_state_dict"]
             torch_state, flats = saved["base_optimizer_state"], saved["single_partition_of_fp32_groups"]
             for g, (flat, mapping) in enumerate(zip(flats, saved["param_slice_mappings"], strict=True)):
                 for name, fragment in mapping.items():
-                    self.add(name, "value", seen[name], flat, fragment.start, fragment.numel)
-                    self.add_state(name, seen[name], torch_state["state"].get(g, {}), fragment.start, fragment.numel)
+                    start = held[name][0] if held is not None else seen[name]
+                    self.add(name, "value", start, flat, fragment.start, fragment.numel)
+                    self.add_state(name, start, torch_state["state"].get(g, {}), fragment.start, fragment.numel)
                     seen[name] += fragment.numel
         return torch_state["param_groups"]
 
-    def read_zero3(self, param_shapes) -> list:
+    def read_zero3(self, model_states, ranks) -> list:
         """ZeRO 3: each rank's optimizer file holds one flat partition per sub-group (param_shapes lists each
         sub-group's parameters): each parameter's ZeRO 3 slice, in order. Each rank's model file holds its slices
-        of the frozen parameters. Returns the groups' hyperparameters."""
-        world_size, tensors = self.done["world_size"], self.done["tensors"]
-        for rank in range(world_size):
+        of the frozen parameters (read only where there are any). Returns the groups' hyperparameters."""
+        world_size, tensors, param_shapes = self.done["world_size"], self.done["tensors"], model_states["param_shapes"]
+        frozen = set(tensors) - {name for shapes in param_shapes for name in shapes} - set(model_states["buffer_names"])
+        for rank in ranks:
             saved = self.read_file(self.optimizer_file(rank))["optimizer_state_dict"]
             torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]
             layouts = [zero3_layout(shapes, world_size, rank) for shapes in param_shapes]
@@ -1959,8 +1904,10 @@ class ReshapingReader:
                 for name, start, offset, length in layout:
                     self.add(name, "value", start, flat, offset, length)
                     self.add_state(name, start, torch_state["state"].get(g, {}), offset, length)
-            frozen = self.read_file(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
-            for name, fragment in (frozen or {}).items():
+            if not frozen:
+                continue
+            fragments = self.read_file(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
+            for name, fragment in (fragments or {}).items():
                 start, length, _ = zero3_slice(math.prod(tensors[name]), world_size, rank)
                 self.add(name, "value", start, fragment, 0, length)
         return torch_state["param_groups"]
@@ -1974,14 +1921,19 @@ class ReshapingReader:
 # starts 20,000 elements into this parameter: its fragment is (name, start 20,000, offset 0, length 111,584), and
 # read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into the master.
 # Last, update_lp_params() (every rank) gathers the ranges into each rank's 16-bit weights.
-def read_elements(pieces, start: int, length: int) -> torch.Tensor:
-    """Elements [start, start + length) of a flattened tensor, from its saved pieces; zeros where none lies (the
-    moments of a parameter that never had a gradient). Only the slices that overlap are read."""
+def read_elements(pieces, start: int, length: int, required=True) -> torch.Tensor:
+    """Elements [start, start + length) of a flattened tensor, from its saved pieces; where none lies zeros (the
+    moments of a parameter that never had a gradient), or, if required, an error: a file that should hold them
+    was not read. Only the slices that overlap are read."""
     values = torch.zeros(length, dtype=pieces[0].values.dtype if pieces else torch.float32)
+    found = 0
     for piece_start, piece in pieces:
         low, high = max(start, piece_start), min(start + length, piece_start + piece.numel())
         if low < high:
             values[low - start : high - start] = piece[low - piece_start : high - piece_start]
+            found += high - low
+    if required and found < length:
+        raise ValueError(f"the files read hold {found} of the elements [{start}, {start + length}) of a tensor")
     return values
 
 
@@ -2003,12 +1955,28 @@ def zero3_layout(shapes: dict, world_size: int, rank: int):
         offset += size
 
 
+def partition_span(tensor):
+    """(first element, length) of what this rank holds of a module's parameter or buffer: at ZeRO 3 its
+    partition of a parameter, otherwise all of it."""
+    if hasattr(tensor, "ds_tensor"):
+        return zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())[:2]
+    return 0, tensor.numel()
+
+
 def write_tensor(tensor, pieces) -> None:
-    """Write a module's parameter or buffer from the pieces of its flattened values: at ZeRO 3 this rank's
-    partition (and the whole tensor, where ZeRO 3 keeps a small one resident), otherwise all of it."""
+    """Write what this rank holds of a module's parameter or buffer (partition_span) from the pieces of its
+    flattened values."""
+    start, length = partition_span(tensor)
     if hasattr(tensor, "ds_tensor"):  # ZeRO 3: this rank's partition
-        start, length, _ = zero3_slice(tensor.ds_numel, dist.get_world_size(), dist.get_rank())
         tensor.ds_tensor.data.view(-1)[:length] = read_elements(pieces, start, length)
-    # The whole tensor: always below ZeRO 3; at ZeRO 3 where it is resident (between uses it is empty).
-    if tensor.numel() == getattr(tensor, "ds_numel", tensor.numel()):
-        tensor.data.copy_(read_elements(pieces, 0, tensor.numel()).view(tensor.shape))
+    else:
+        tensor.data.copy_(read_elements(pieces, 0, length).view(tensor.shape))
+
+
+def gather_persistent(module) -> None:
+    """At ZeRO 3, after their partitions were written: the parameters every rank keeps whole between uses (the
+    small ones, ds_persist) gathered anew from them, as DeepSpeed does after its own load (collective)."""
+    persistent = [p for p in module.parameters() if getattr(p, "ds_persist", False)]
+    if persistent:
+        persistent[0].partition(persistent)  # the stale whole copies go; the partitions stay
+        persistent[0].all_gather(persistent)

@@ -1,18 +1,20 @@
-"""What resuming in another shape costs: one checkpoint of a 100M-parameter model, saved by 2 ranks at ZeRO 2,
-loaded by 2 ranks at ZeRO 2 (DeepSpeed's own load) and at ZeRO 3 (get_strategy.py's reader), in one run.
+"""What a load costs: one checkpoint of a 100M-parameter model, saved by 2 ranks at ZeRO 2, loaded by 2 ranks with
+DeepSpeed's own engine.load_checkpoint (the reference, same shape only) and with load_ckpt at ZeRO 2 (the same
+shape) and at ZeRO 3 (another shape), in one run.
 
     python benchmarks/reshape_load.py                 # about a minute on a 2-core CPU, 1.6 GB of disk
     python benchmarks/reshape_load.py --repeats 3 --dir /tmp/reshape-bench
     python benchmarks/reshape_load.py --layers 1 --width 64 --repeats 1    # the smallest setting: seconds
 
 It reports, per rank (the slower rank's time counts):
-- the load time in each shape, the median of --repeats loads taken alternately (the page cache is warm for both:
-  the first load reads the files in, and every later one finds them there);
+- the load time of each, the median of --repeats loads taken in turn (the page cache is warm for all: the first
+  load reads the files in, and every later one finds them there);
 - the peak anonymous memory (RssAnon: memory the process owns, not the page cache that memory-mapped files use)
   during the ZeRO 3 load, less what the rank still holds after it (the first load creates the optimizer state
   that the first step would otherwise create), against the size of the largest parameter;
-- what checking every file's sizes and CRCs adds to a load: the load's time against the same load's time less
-  its check; and the time of the reader's read-back through DeepSpeed's public getters (ZeRO 3 only).
+- what choosing the checkpoint and checking the files' sizes and CRCs (each rank its share) adds to a load_ckpt:
+  its time against the same load's time less the check; and the time of the read-back through DeepSpeed's public
+  getters.
 """
 
 import argparse
@@ -73,7 +75,8 @@ def worker(args):
     strategy.save_ckpt(saving, args.dir)
     save_seconds = time.perf_counter() - started
     zero3_strategy, zero3 = build(3)
-    engines = {"same shape (ZeRO 2, DeepSpeed's load)": (strategy, saving), "ZeRO 3": (zero3_strategy, zero3)}
+    engines = {"DeepSpeed's own load, same shape": (None, saving)}
+    engines.update({"load_ckpt, same shape": (strategy, saving), "load_ckpt, ZeRO 3": (zero3_strategy, zero3)})
     times = {name: [] for name in engines}
     checks, verifies = [], []
     memory = PeakMemory()
@@ -88,8 +91,8 @@ def worker(args):
 
         return run
 
-    # The check (sizes and CRCs of every file, spread over the ranks), and the reader's read-back through DeepSpeed's
-    # public getters after a load in another shape.
+    # The choice and the check (sizes and CRCs, each rank its share of the files), and the read-back through
+    # DeepSpeed's public getters.
     Checkpoints._choose_checkpoint = timed(Checkpoints._choose_checkpoint, checks)
     ReshapingReader.verify = timed(ReshapingReader.verify, verifies)
     transient, kept = 0, []
@@ -98,12 +101,15 @@ def worker(args):
             checks.append(0.0)
             verifies.append(0.0)
             torch.distributed.barrier()
-            if name == "ZeRO 3":
+            if name.endswith("ZeRO 3"):
                 memory.start()
             started = time.perf_counter()
-            s.load_ckpt(engine, args.dir)
+            if s is None:
+                engine.load_checkpoint(args.dir, tag="global_step1")
+            else:
+                s.load_ckpt(engine, args.dir)
             times[name].append((time.perf_counter() - started, checks[-1], verifies[-1]))
-            if name == "ZeRO 3":
+            if name.endswith("ZeRO 3"):
                 peak, held = memory.stop()
                 transient, kept = max(transient, peak - held), kept + [held]
     rank = strategy.get_rank()
@@ -116,8 +122,9 @@ def worker(args):
         ratio = load / (load - check)
         lines.append(f"rank {rank}: {name}: load {load:.2f} s, of which the check {check:.2f} s")
         lines[-1] += f" (a load with the check takes {ratio:.2f}x one without) and the read-back {verify:.3f} s"
-    same, other = (statistics.median(t for t, _, _ in times[n]) for n in engines)
-    lines.append(f"rank {rank}: ZeRO 3 load / same-shape load = {other / same:.2f}")
+    own, same, other = (statistics.median(t for t, _, _ in times[n]) for n in engines)
+    lines.append(f"rank {rank}: load_ckpt same shape / DeepSpeed's own load = {same / own:.2f}")
+    lines.append(f"rank {rank}: load_ckpt ZeRO 3 / DeepSpeed's own load = {other / own:.2f}")
     kept_mib = [round(k / 2**20) for k in kept]
     lines.append(f"rank {rank}: ZeRO 3 load: RssAnon kept after each load {kept_mib} MiB; ")
     lines[-1] += f"peak above that {transient / 2**20:.0f} MiB; largest parameter {largest / 2**20:.0f} MiB "

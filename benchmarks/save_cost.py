@@ -26,7 +26,7 @@ def worker(args):
     import torch
 
     sys.path.insert(0, ROOT)
-    from get_strategy import Checkpoints, get_strategy
+    from get_strategy import fsync, get_strategy
 
     strategy = get_strategy(argparse.Namespace(zero_stage=2, micro_train_batch_size=1, train_batch_size=2))
     strategy.setup_distributed()
@@ -56,7 +56,7 @@ def worker(args):
         finally:
             del engine.checkpoint_engine.save  # DeepSpeed's method again
         for path in written:
-            Checkpoints(strategy, engine)._fsync(path)
+            fsync(path)
 
     saves = {
         "save_ckpt": lambda folder: strategy.save_ckpt(engine, folder),

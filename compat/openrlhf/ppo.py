@@ -264,6 +264,16 @@ def check(row, stage, work, site, pretrain, reward):
             if tag.startswith("best"):
                 with open(os.path.join(folder, tag, "checkpoint_complete.json")) as f:
                     best[f"{model[1:]}/{tag}"] = json.load(f)["metric"]
+    # 0.10.1's evaluations, read from disk as well as from the interleaved output of Ray's processes (where a
+    # line can be lost): the trainer passes its latest evaluation to every save_ckpt, so the actor's checkpoint
+    # of each evaluated step carries that step's eval_default_pass1 in its record.
+    on_disk = {}
+    for tag in checkpoints:
+        with open(os.path.join(actor_ckpt, tag, "checkpoint_complete.json")) as f:
+            metric = json.load(f)["metric"]
+        step = int(tag.removeprefix("global_step"))
+        if metric and step % EVAL_STEPS == 0 and metric["key"] == "eval_default_pass1":
+            on_disk[step] = metric["value"]
     _, again, _ = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
     # 0.10.1: the order of a step's samples may differ between any two launches (main()), so a second
     # uninterrupted launch is the yardstick for the resumed one.
@@ -307,7 +317,7 @@ def check(row, stage, work, site, pretrain, reward):
     metric = "eval_default_pass1"  # 0.10.1's pass@1 on the evaluation set (datasource "default"): the mean reward
     return dict(
         best=best,
-        evals={step: value(text, metric) for step, text in evals.items()},
+        evals={**{step: value(text, metric) for step, text in evals.items()}, **on_disk},  # what the disk says wins
         row=row,
         stage=stage,
         checkpoints=len(checkpoints),

@@ -964,9 +964,10 @@ class Checkpoints:
         """Why tag cannot name a checkpoint's folder in save_dir, or None."""
         odd = tag != tag.strip() or any(c in tag for c in ("/", os.sep, "\0"))  # latest's reader strips it
         if tag in ("", ".", "..", LATEST) or tag.endswith((STAGING, DELETING)) or odd:
-            not_these = f"not {LATEST!r} (the file naming the checkpoint to resume), nor ending in {STAGING}"
-            not_these += f", {DELETING} or spaces"
-            return f"save_ckpt tag {tag!r} must be the name of a folder in save_dir, {not_these}"
+            not_these = (
+                f"not {LATEST!r} (the file naming the checkpoint to resume), nor ending in {STAGING}, {DELETING}"
+            )
+            return f"save_ckpt tag {tag!r} must be the name of a folder in save_dir, {not_these} or spaces"
         if len((tag + DELETING).encode()) > 255:  # the longest name a save gives the folder
             return f"save_ckpt tag {tag!r} is too long: with {DELETING} after it, it must fit in 255 bytes"
         return None
@@ -1232,9 +1233,8 @@ class Checkpoints:
         Load only checkpoints you trust: DeepSpeed's files are pickles (read with weights_only=False), so a crafted
         checkpoint runs code as it loads. Exchange weights with save_model and load_model instead."""
         engine = self.engine
-        if tag is not None and str(tag) == LATEST:
-            why = f"names the file {LATEST}, which holds the tag of the checkpoint to resume"
-            raise ValueError(f"load_ckpt tag {tag!r} {why}: pass tag=None to load that checkpoint")
+        if str(tag) == LATEST:  # tag None is "None"
+            raise ValueError(f"load_ckpt tag {tag!r} names the file naming the checkpoint: pass tag=None to load that")
         folder, done = self._choose_checkpoint(load_dir, tag)
         if folder is None:
             self.print(f"{load_dir} holds no checkpoint: nothing loaded, the run starts afresh")
@@ -1245,22 +1245,20 @@ class Checkpoints:
         if mismatch and load_module_strict:  # the same record and model on every rank: each raises alike
             raise ValueError(mismatch)
         loadable = {name for name, shape in here.items() if done["tensors"].get(name) == shape}
-        trains = training_optimizer(engine) is not None
-        optimizer_states = load_optimizer_states and trains and not load_module_only
-        schedules = load_lr_scheduler_states and trains and not load_module_only
+        trains = training_optimizer(engine) is not None and not load_module_only
         reader, rng_states, error = ReshapingReader(engine, ckpt_dir, done), None, None
         try:
-            client_state = reader.load(loadable, optimizer_states)
-            if schedules:
+            client_state = reader.load(loadable, load_optimizer_states and trains)
+            if load_lr_scheduler_states and trains:
                 reader.check_groups()
-            self._load_engine_state(engine, client_state, schedules, load_module_only)
+            self._load_engine_state(engine, client_state, load_lr_scheduler_states and trains, load_module_only)
             if self.rank < done["world_size"]:  # else a rank the saving run did not have
                 rng_states = load_file(os.path.join(ckpt_dir, RNG_FILE.format(rank=self.rank)), weights_only=True)
         except Exception as caught:  # name it, and let no rank go on alone
             error = f"checkpoint {ckpt_dir} does not load on rank {self.rank} ({socket.gethostname()}): {caught}"
         self._raise_on_every_rank(error, RuntimeError)
         reader.finish()  # collective
-        self._raise_on_every_rank(reader.verify(loadable, optimizer_states), RuntimeError)
+        self._raise_on_every_rank(reader.verify(loadable, load_optimizer_states and trains), RuntimeError)
         if mismatch:
             kept, unused = sorted(set(here) - loadable), sorted(set(done["tensors"]) - loadable)
             self.print(f"loaded {ckpt_dir} by name and shape; kept as they were: {kept}; not loaded: {unused}")
@@ -1282,10 +1280,7 @@ class Checkpoints:
         problems = []  # (error type, why) of each candidate that failed, newest first
         for name, folder, done, problem, note in box[0]:
             path = os.path.join(load_dir, folder)
-            damage = self._damaged_share(path, done) if problem is None else None
-            problem = problem or self._first_of_ranks(
-                damage and (RuntimeError, f"checkpoint {path} does not load: {damage}")
-            )
+            problem = problem or self._first_of_ranks(self._damaged_share(path, done))
             if problem is None:
                 if problems:
                     note = f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes"
@@ -1314,9 +1309,8 @@ class Checkpoints:
                 why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
                 return ValueError, f"{why}: pass load_dir={parent!r} (and tag={name!r} to load this one)"
             listing = sorted(os.listdir(load_dir)) if not names and os.path.isdir(load_dir) else []
-            plain = [
-                n for n in listing if not n.endswith((STAGING, DELETING)) and self._holds_states(f"{load_dir}/{n}")
-            ]
+            listing = [name for name in listing if not name.endswith((STAGING, DELETING))]  # no checkpoints
+            plain = [name for name in listing if self._holds_states(os.path.join(load_dir, name))]
             if plain:  # and none of this file's: never a silent fresh start
                 why = f"load_ckpt found plain DeepSpeed checkpoints in {load_dir} ({', '.join(plain)}), none of its own"
                 return ValueError, f"{why}: {PLAIN_FIX}"
@@ -1327,10 +1321,8 @@ class Checkpoints:
                 why = "saved with save_latest=False, cut short before latest was written, or latest set back"
                 note = f"{load_dir}: resuming {latest}, as latest says, though {newest} is newer ({why}); "
                 note += f"tag={newest!r} resumes that one"
-            folders = [(name, found.get(name, name)) for name in names]
-            return [
-                (name, folder, *self._read_candidate(os.path.join(load_dir, folder)), note) for name, folder in folders
-            ]
+            folders = [(name, os.path.join(load_dir, found.get(name, name))) for name in names]
+            return [(name, os.path.basename(path), *self._read_candidate(path), note) for name, path in folders]
         except Exception as error:  # a listing or a file that cannot be read
             return RuntimeError, f"load_ckpt cannot read {load_dir} on rank 0: {error!r}"
 
@@ -1342,10 +1334,8 @@ class Checkpoints:
         """On rank 0: (record, None) of the checkpoint at path, or (None, (error type, why it cannot load))."""
         if os.path.isfile(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
-            return done, None if done else (
-                RuntimeError,
-                f"checkpoint {path} does not load: its {DONE_FILE} is damaged",
-            )
+            damaged = (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
+            return done, None if done else damaged
         if self._holds_states(path):
             why = "a plain DeepSpeed checkpoint, or one whose record was lost"
             return None, (ValueError, f"checkpoint {path} has no {DONE_FILE} ({why}): {PLAIN_FIX}")
@@ -1364,21 +1354,18 @@ class Checkpoints:
         return done if crc == self._record_crc(done) else None
 
     def _damaged_share(self, path, done):
-        """What is wrong with this rank's share of the checkpoint's files, or None. Rank r of this run checks the
-        files saving rank r (and r + world_size, ...) wrote, the model states shared by all with rank 0's: each at
-        its saved size, holding the records its record names, every record's CRC right. In the same run shape
-        these are the files each rank reads; the file rank 0 reads the record from, only rank 0 opens."""
-        for name, size in done["files"].items():
-            if saving_rank(name) % self.world_size != self.rank:
-                continue
-            file = os.path.join(path, name)
+        """(RuntimeError, what is wrong with this rank's share of the checkpoint's files), or None. Rank r of this
+        run checks the files saving rank r (and r + world_size, ...) wrote, the model states shared by all with
+        rank 0's: each at its saved size, holding the records its record names, every record's CRC right. In the
+        same run shape these are the files each rank reads; the record, only rank 0 reads."""
+        for name in [name for name in done["files"] if saving_rank(name) % self.world_size == self.rank]:
+            file, size = os.path.join(path, name), done["files"][name]
             found = os.path.getsize(file) if os.path.isfile(file) else None
-            if found != size:
-                state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
-                return f"{file} {state} on {socket.gethostname()}"
-            problem = zip_damage(file, done["contents"].get(name))
+            state = "is missing" if found is None else f"has {found} bytes, not the {size} saved"
+            problem = f"{file} {state} on {socket.gethostname()}" if found != size else None
+            problem = problem or zip_damage(file, done["contents"].get(name))
             if problem:
-                return problem
+                return RuntimeError, f"checkpoint {path} does not load: {problem}"
         return None
 
     def _model_mismatch(self, saved, here, where):

@@ -17,21 +17,24 @@ The quick tier, the specification of the core, establishes:
   and a scheduler, 4 steps end within 1e-5 of plain PyTorch's weights, while they move more than 1e-3 and two
   plain-PyTorch runs that only sum the micro-batches in another order end within 1e-5 of each other.
 - Resuming: at every stage, fp32 and bf16, with dropout and a shuffled loader, losses and weights are bit-identical
-  to the uninterrupted run's. In another shape (one rank, ZeRO 2 -> 1) a load restores the weights, Adam's moments
-  and step, the scheduler, the counters and the generators of random, NumPy and torch, reads what it wrote back
-  through DeepSpeed's getters and refuses a layout that moved; its options leave fresh what they name; a plain
-  DeepSpeed checkpoint grouped otherwise is refused naming both groupings.
+  to the uninterrupted run's, through the one load path. In another shape (one rank, ZeRO 2 -> 1) a load restores
+  the weights, Adam's moments and step, the scheduler, the counters and the generators of random, NumPy and torch,
+  reads what it wrote back through DeepSpeed's getters and refuses a layout that moved; its options leave fresh what
+  they name. The corners of release 0.20.0's load: ZeRO 3 with load_optimizer_states=False loads the tag chosen, at
+  every stage and dtype the next step starts from the loaded weights, a read failing on one rank raises on every
+  rank naming the rank and the file; a second model's save into a save_dir and an eval engine's save are refused
+  before writing; a best checkpoint left by a cut-short rotation goes with the next save; tag="latest" is named.
 - Saves that fail and damaged files: a write that fails on rank 0, rank 1 or both (a file-size limit) and a disk
-  that fills (a tmpfs) make every rank raise within seconds naming the rank and the file, a save the free space
-  cannot hold is refused before writing, and each leaves the previous checkpoint loadable; a truncated file, a
+  that fills (a tmpfs) make every rank raise within seconds naming the rank, the file and the free space, give the
+  space back, and each leaves the previous checkpoint loadable; a truncated file, a
   damaged zip structure and a bit flipped in any kind of checkpoint file are named on every rank, and with no tag
   the next newest checkpoint resumes.
 - The states of a save_dir (get_strategy.py's table): a run resumes a committed <tag>.saving and a later failed
   save of that tag keeps it; a folder that is no checkpoint, tags that cannot name one and a metric_key JSON cannot
   write are refused before anything is written; a latest that cannot be written fails the save and the load resumes
   what it said; latest set back by hand wins, saying a newer checkpoint exists; the next save finishes deletes cut
-  short; a NaN metric saves without one; plain DeepSpeed checkpoints without latest are named, their weights load
-  module-only and into eval engines; save_model failing on rank 0 raises on every rank.
+  short; a NaN metric saves without one; plain DeepSpeed checkpoints are named with the way in, never taken for a
+  fresh start; save_model failing on rank 0 raises on every rank.
 - Collectives match hand computation; the loader shards, skips consumed samples and, restored from a state taken
   at any point, yields what the uninterrupted one does (with workers, the order only, as documented); bad flags
   are refused before any process group, naming the flag, and so are srun's tasks of plain python; the example
@@ -46,7 +49,8 @@ The second tier (marked full) establishes everything else:
 - Resuming in another shape (1, 2 and 3 ranks, ZeRO 0-3, adam_offload, bf16) on a model with tied weights, a
   frozen layer, a buffer and sizes no world size divides equals plain PyTorch within 1e-5; a ZeRO 2 checkpoint
   resumes into every optimizer class DeepSpeed builds for the accepted flags; frozen layers, non-strict loads, eval
-  engines, amsgrad, groups listed in another order or matched by name, plain DeepSpeed checkpoints.
+  engines, amsgrad, groups in another order refused, a plain DeepSpeed checkpoint taken in through DeepSpeed's own
+  load; at 8 ranks each rank opens only its share of a checkpoint's files (strace counts every openat).
 - Checkpoints under attack: a crash at every file-system operation of four saves (a kill and a power cut, traced
   with strace; rotation's delete and a re-save of the tag a run resumed from while it was <tag>.saving among them)
   leaves the newest committed checkpoint or the one before; a rank killed while saving; nodes that see

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-__version__ = "0.20.0"
+__version__ = "0.21.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same
@@ -1701,7 +1701,7 @@ class ReshapingReader:
         if optimizer_states and link is not None:
             self.optimizer._hp_optimizer_states_linked = False
             link()
-        params, trained = dict(self.engine.module.named_parameters()), self.trained_names()
+        params, trained, problem = dict(self.engine.module.named_parameters()), self.trained_names(), None
         ends = [name for names in self.engine.param_group_names for name in (names[0], names[-1])]
         for name in [n for n in dict.fromkeys(ends) if n in trained and n in loadable]:
             # The fp32 master, and with the optimizer's state Adam's moments: one full copy at a time on the device.
@@ -1711,12 +1711,14 @@ class ReshapingReader:
                 if got is None or (name, key) not in self.pieces:
                     continue
                 got = got.detach().float().flatten().cpu()  # from here on the device holds no copy
-                for start, values in self.pieces[name, key]:
-                    if not torch.equal(got[start : start + len(values)], values.float()):
-                        why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
-                        fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
-                        return f"checkpoint {self.ckpt_dir} loaded, but {why}: {fix}; do not train on"
-        return None
+                # Every rank goes through every getter (collectives) before any says what differed.
+                if problem is None and any(
+                    not torch.equal(got[i : i + len(v)], v.float()) for i, v in self.pieces[name, key]
+                ):
+                    why = f"DeepSpeed {deepspeed.__version__}'s getters read back another {key} for {name}"
+                    fix = "its private layout differs from the one this file writes (DeepSpeed 0.19.8)"
+                    problem = f"checkpoint {self.ckpt_dir} loaded, but {why}: {fix}; do not train on"
+        return problem
 
     def groups_and_masters(self):
         """(each group's 16-bit parameters, each group's fp32 masters) of this engine's optimizer (the table)."""
@@ -1788,7 +1790,8 @@ class ReshapingReader:
         elif stage < 3:
             self.groups = self.read_zero12(self.saved_ranks(wanted))
         else:
-            self.groups = self.read_zero3(model_states, self.saved_ranks(wanted))
+            buffers = set(model_states["buffer_names"])  # whole in rank 0's model states alone
+            self.groups = self.read_zero3(model_states, self.saved_ranks([w for w in wanted if w[0] not in buffers]))
         # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
         # the module, at ZeRO 3 in the frozen fragments read_zero3 read; buffers lie whole in the module at every stage.
         stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
@@ -1961,9 +1964,13 @@ def write_tensor(tensor, pieces) -> None:
 
 
 def gather_persistent(module) -> None:
-    """At ZeRO 3, after their partitions were written: the parameters every rank keeps whole between uses (the
-    small ones, ds_persist) gathered anew from them, as DeepSpeed does after its own load (collective)."""
+    """At ZeRO 3, after their partitions were written: every whole copy a parameter still holds goes (the small
+    ones every rank keeps between uses, ds_persist, and any an evaluation's forward left gathered, which the next
+    forward would use as they are), then the small ones are gathered anew, as DeepSpeed does after its own load
+    (collective)."""
+    whole = [p for p in module.parameters() if hasattr(p, "ds_tensor") and p.ds_status.name == "AVAILABLE"]
+    if whole:
+        whole[0].partition(whole)  # the stale whole copies go; the partitions stay
     persistent = [p for p in module.parameters() if getattr(p, "ds_persist", False)]
     if persistent:
-        persistent[0].partition(persistent)  # the stale whole copies go; the partitions stay
         persistent[0].all_gather(persistent)

@@ -1835,6 +1835,7 @@ def test_zero_3_load_optimizer_states_false_loads_the_weights_of_the_checkpoint_
         assert max(got["a_tag"].values()) == 0.0, got["a_tag"]  # global_step1's, not latest's global_step3
         assert got["a_saving"] == "no error", got["a_saving"]
         assert max(got["a_saving_diff"].values()) == 0.0, got["a_saving_diff"]
+        assert got["a_after_eval"] == 0.0, got["a_after_eval"]  # found by the review of release 0.21.0's load
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -4371,6 +4372,17 @@ def load_corners(rank, out_dir):
     fresh, _, _ = prepared(strategy, init_seed=999)
     got["a_saving"] = error_of(strategy.load_ckpt, fresh, folder, load_optimizer_states=False)
     got["a_saving_diff"] = {name: (p - step3[name]).abs().max().item() for name, p in full_params(fresh).items()}
+    # An engine that ran an evaluation's forward before the load (which leaves a large weight gathered) computes
+    # with the loaded weights, as one that did not.
+    x, outputs = make_dataset().tensors[0][:2], []
+    for evaluated in (False, True):
+        fresh, _, _ = prepared(strategy, init_seed=999)
+        with torch.no_grad():
+            if evaluated:
+                fresh(x)
+            strategy.load_ckpt(fresh, folder, tag="global_step1")
+            outputs.append(fresh(x))
+    got["a_after_eval"] = (outputs[1] - outputs[0]).abs().max().item()
     # b. load_optimizer_states=False into a fresh engine: the next step starts from the loaded weights, at every
     # stage and dtype (an Adam step moves each weight by about lr at most).
     for stage, bf16 in itertools.product(range(4), (False, True)):

@@ -1785,18 +1785,19 @@ class ReshapingReader:
         self.pieces, self.steps, self.saved_keys = {}, [], set()
         stage, tensors = self.done["zero_stage"], self.done["tensors"]
         model_states = self.model_states = self.read_file(model_states_file(stage))
+        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
+        # the module, at ZeRO 3 in each rank's frozen fragments; buffers lie whole in the module at every stage.
+        stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
+        buffers = set(model_states.get("buffer_names") or [])
         if stage == 0:
             self.groups = self.read_zero0(model_states)
         elif stage < 3:
             self.groups = self.read_zero12(self.saved_ranks(wanted))
-        else:
-            buffers = set(model_states["buffer_names"])  # whole in rank 0's model states alone
-            self.groups = self.read_zero3(model_states, self.saved_ranks([w for w in wanted if w[0] not in buffers]))
-        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
-        # the module, at ZeRO 3 in the frozen fragments read_zero3 read; buffers lie whole in the module at every stage.
-        stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
+        else:  # buffers: whole in rank 0's model states alone, no reason to open another rank's files
+            ranks = self.saved_ranks([w for w in wanted if w[0] not in buffers])
+            self.groups = self.read_zero3(model_states["param_shapes"], set(tensors) - stepped - buffers, ranks)
         for name in set(tensors) - stepped:
-            if (name, "value") not in self.pieces and (stage < 3 or name in model_states["buffer_names"]):
+            if (name, "value") not in self.pieces and (stage < 3 or name in buffers):
                 self.add(name, "value", 0, model_states["module"][name])
         self.step = int(max(self.steps, default=0))
 
@@ -1880,12 +1881,12 @@ class ReshapingReader:
                     seen[name] += fragment.numel
         return torch_state["param_groups"]
 
-    def read_zero3(self, model_states, ranks) -> list:
+    def read_zero3(self, param_shapes, frozen, ranks) -> list:
         """ZeRO 3: each rank's optimizer file holds one flat partition per sub-group (param_shapes lists each
         sub-group's parameters): each parameter's ZeRO 3 slice, in order. Each rank's model file holds its slices
-        of the frozen parameters (read only where there are any). Returns the groups' hyperparameters."""
-        world_size, tensors, param_shapes = self.done["world_size"], self.done["tensors"], model_states["param_shapes"]
-        frozen = set(tensors) - {name for shapes in param_shapes for name in shapes} - set(model_states["buffer_names"])
+        of the parameters frozen when saved (frozen; read only where there are any). Returns the groups'
+        hyperparameters."""
+        world_size, tensors = self.done["world_size"], self.done["tensors"]
         for rank in ranks:
             saved = self.read_file(self.optimizer_file(rank))["optimizer_state_dict"]
             torch_state, flats = saved["optimizer_state_dict"], saved["fp32_flat_groups"]

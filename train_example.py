@@ -122,6 +122,11 @@ def parse_args(argv=None):
     group.add_argument("--max_ckpt_num", type=int, default=3, help="keep at most this many checkpoints")
     group.add_argument("--max_ckpt_mem", type=float, default=1000, help="keep at most this many GiB of checkpoints")
     group.add_argument(
+        "--background_save",
+        action="store_true",
+        help="a save stops training only to copy the state to CPU memory; a thread writes and commits it",
+    )
+    group.add_argument(
         "--load_checkpoint", action="store_true", help="resume from the latest checkpoint in --ckpt_path"
     )
     group.add_argument(
@@ -574,10 +579,13 @@ def main(args):
             strategy.print(f"stopped at step {step}: {error}; make room, then rerun with --load_checkpoint")
             strategy.teardown()
             sys.exit(1)
-        if strategy.is_rank_0():  # one rank sizes the folder on the shared filesystem
+        seconds = time.perf_counter() - started
+        if args.background_save:  # the folder is written while training goes on, and committed after
+            log(f"step {step:5d} | checkpoint {tag}: training stopped {seconds:.2f} s, written in the background")
+        elif strategy.is_rank_0():  # one rank sizes the folder on the shared filesystem
             folder = os.path.join(args.ckpt_path, tag)
             size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
-            log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {time.perf_counter() - started:.2f} s")
+            log(f"step {step:5d} | checkpoint {folder}: {size / 1e6:.1f} MB in {seconds:.2f} s")
 
     def log(message):
         if strategy.is_rank_0():

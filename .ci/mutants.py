@@ -66,8 +66,8 @@ MUTANTS = {
     ),
     "scheduler_not_stepped": (
         "DeepSpeed steps the scheduler",
-        "model=self._engine(model), optimizer=optimizer, lr_scheduler=scheduler,",
-        "model=self._engine(model), optimizer=optimizer, lr_scheduler=None,",
+        "model=engine_of(model), optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config()",
+        "model=engine_of(model), optimizer=optimizer, lr_scheduler=None, config=self.get_ds_train_config()",
     ),
     "mean_made_a_sum": (
         "all_reduce's mean divides by the world size",
@@ -91,18 +91,28 @@ MUTANTS = {
     ),
     "failed_write_not_shared": (
         "a failed write on one rank stops the commit on every rank",
-        "problem = self._first_of_ranks(self._write_own_files(save_dir, tag, client_state or {}))",
-        "problem = self._write_own_files(save_dir, tag, client_state or {})",
+        "problem = next((failed for failed, _ in every_rank if failed), None)",
+        "problem = every_rank[self.rank][0]",
     ),
     "crc_not_compared": (
         "a damaged file is named at load",
-        "if crc != info.CRC:",
-        "if False:",
+        "while record.read(1 << 24):",
+        "while False:",
     ),
     "adam_moments_dropped_in_another_shape": (
         "a resume in another shape carries Adam's moments",
-        "values = read_elements(saved.pieces.get((name, key), []), start, length)",
+        "values = read_elements(self.pieces.get((name, key), []), start, length, required=False)",
         "values = torch.zeros(length)",
+    ),
+    "snapshot_not_copied": (
+        "a background save writes the state at its call, not what training made of it since",
+        "self.copies.append(buffer.copy_(tensor.detach(), non_blocking=True))",
+        "self.copies.append(tensor.detach())",
+    ),
+    "rank_0s_model_states_for_all": (
+        "at ZeRO 3 each rank resumes its own buffers and client_state",
+        'own = rank if rank < self.done["world_size"] else 0',
+        "own = 0",
     ),
     "bad_zero_stage_accepted": (
         "a bad flag is refused before any process group",

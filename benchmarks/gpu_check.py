@@ -20,10 +20,14 @@ check does not stop the others, and the exit code is 0 only if none failed. The 
 - zero0_fp32 ... zero2_bf16_offload (CONFIGURATIONS): the optimizer DeepSpeed built and the one it wraps (on CUDA
   torch's AdamW must be fused); STEPS steps twice uninterrupted, whose difference is the kernels' nondeterminism,
   and once saved with save_ckpt half-way and resumed in a fresh engine, which must differ no more (RESUME_SLACK).
+  zero2_bf16_offload runs OFFLOAD_STEPS steps, so that the resume comes late (DeepSpeedCPUAdam's running bias
+  corrections drift from pow() after about 10 steps), and also resumes through DeepSpeed's own save and load.
 - reshape_zero2_to_*: one ZeRO 2 bf16 checkpoint loaded into each of RESHAPE_TARGETS: the loaded fp32 weights must
   equal the saved ones, and the step after the load must give a finite loss.
-- big_model_zero3: a 0.68B-parameter GPT at ZeRO 3 bf16 (3.3M on the CPU): the seconds of save_ckpt, and of load_ckpt
-  in the same shape and into ZeRO 2; the peak device memory of save_model and of the load into ZeRO 2.
+- big_model_zero3: a 0.68B-parameter GPT at ZeRO 3 bf16 (3.3M on the CPU): the seconds of save_ckpt, of DeepSpeed's
+  own engine.save_checkpoint, of save_ckpt(background=True) until it returns (the seconds training stops; the goal is
+  at most 0.1x DeepSpeed's save) and until it is committed, and of load_ckpt in the same shape and into ZeRO 2; the
+  peak device memory of save_model and of the load into ZeRO 2.
 - example_*: train_example.py's tokens/s, and on a GPU its model FLOPs utilisation (MFU).
 
 Not covered, since it needs 2 GPUs or 2 nodes: NCCL between ranks, each rank bound to its own device by its local
@@ -63,7 +67,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
-from get_strategy import __version__, _free_port, get_strategy  # noqa: E402
+from get_strategy import __version__, _free_port, get_strategy, wait_for_save  # noqa: E402
 from train_example import ByteGPT, byte_loss, load_corpus, model_from_args, parse_args  # noqa: E402
 
 ON_GPU = get_accelerator().device_name() == "cuda"
@@ -84,6 +88,7 @@ else:  # the smallest sizes that still run every path
     SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=16)
     BIG = dict(n_layer=4, n_head=4, n_embd=256, block_size=32)  # 3.3M parameters
     EXAMPLE_RUNS = {"example_defaults": ["--max_steps", "3"]}
+OFFLOAD_STEPS = max(STEPS, 20)  # zero2_bf16_offload's steps, on the CPU too: resumed after step 10
 SEED = 42  # every engine of one seed starts from the same weights; a resumed engine starts from SEED + 1's
 LEARNING_RATE = 1e-3  # AdamW's peak, reached by a linear warm-up over STEPS, so each step has its own rate
 RESUME_SLACK = 4  # a resumed run may differ from an uninterrupted one by this many times two uninterrupted runs do
@@ -146,23 +151,30 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def uninterrupted(stage: int, **flags) -> dict:
+def uninterrupted(stage: int, steps=STEPS, **flags) -> dict:
     strategy, engine = build(stage, **flags)
-    train(strategy, engine, 0, STEPS)
+    train(strategy, engine, 0, steps)
     weights = fp32_weights(engine)
     engine.destroy()  # removes ZeRO 3's hooks and frees the optimizer's buffers
     return weights
 
 
-def interrupted(stage: int, folder: str, **flags) -> dict:
-    """STEPS steps, with a save_ckpt half-way and the rest in a fresh engine that resumes it."""
+def interrupted(stage: int, folder: str, steps=STEPS, deepspeeds_own=False, **flags) -> dict:
+    """steps steps, with a save_ckpt half-way and the rest in a fresh engine that resumes it; with deepspeeds_own,
+    DeepSpeed's engine.save_checkpoint and engine.load_checkpoint instead."""
     strategy, engine = build(stage, **flags)
-    train(strategy, engine, 0, STEPS // 2)
-    strategy.save_ckpt(engine, folder, tag="half", client_state={"step": STEPS // 2})
+    train(strategy, engine, 0, steps // 2)
+    if deepspeeds_own:
+        engine.save_checkpoint(folder, tag="half_deepspeed", client_state={"step": steps // 2})
+    else:
+        strategy.save_ckpt(engine, folder, tag="half", client_state={"step": steps // 2})
     engine.destroy()
     strategy, engine = build(stage, seed=SEED + 1, **flags)  # other weights: the checkpoint must replace them all
-    _, client_state = strategy.load_ckpt(engine, folder, tag="half")
-    train(strategy, engine, client_state["step"], STEPS)
+    if deepspeeds_own:
+        _, client_state = engine.load_checkpoint(folder, tag="half_deepspeed")
+    else:
+        _, client_state = strategy.load_ckpt(engine, folder, tag="half")
+    train(strategy, engine, client_state["step"], steps)
     weights = fp32_weights(engine)
     engine.destroy()
     return weights
@@ -286,12 +298,17 @@ def check_configuration(check, name):
     if ON_GPU and isinstance(wrapped, torch.optim.AdamW):
         check.figures["fused"] = wrapped.param_groups[0].get("fused")
         check.expect(check.figures["fused"], "torch's AdamW is not fused on CUDA")
-    train(strategy, engine, 0, STEPS)  # this engine is the first uninterrupted run
+    steps = OFFLOAD_STEPS if flags.get("adam_offload") else STEPS
+    check.figures["steps"] = steps
+    train(strategy, engine, 0, steps)  # this engine is the first uninterrupted run
     first = fp32_weights(engine)
     engine.destroy()
-    second, resumed = uninterrupted(stage, **flags), interrupted(stage, check.folder, **flags)
+    second, resumed = uninterrupted(stage, steps, **flags), interrupted(stage, check.folder, steps, **flags)
     nondeterminism, difference = max_difference(first, second), max_difference(resumed, first)
     check.figures.update(kernel_nondeterminism=nondeterminism, resume_difference=difference)
+    if flags.get("adam_offload"):  # DeepSpeed's own load, the same way: what it gives, for comparison
+        deepspeeds = interrupted(stage, check.folder, steps, deepspeeds_own=True, **flags)
+        check.figures["deepspeed_load_difference"] = max_difference(deepspeeds, first)
     check.expect(all(torch.isfinite(w).all() for w in resumed.values()), "the resumed weights are not finite")
     if nondeterminism == 0:
         check.expect(difference == 0, "the resumed run differs, though the two uninterrupted runs are identical")
@@ -357,6 +374,23 @@ def save_big_model(check):
     measure(check, "save_ckpt", strategy.save_ckpt, engine, check.folder, "big", client_state={})
     files = [entry.stat().st_size for entry in os.scandir(os.path.join(check.folder, "big"))]
     check.figures["checkpoint_gb"] = round(sum(files) / 1e9, 2)
+    # DeepSpeed's own save, then the background save: the seconds training stops, and until the commit. The first
+    # background save makes its pinned buffers, the second reuses them: both are timed.
+    measure(check, "deepspeed_save", engine.save_checkpoint, os.path.join(check.folder, "deepspeed"), "big")
+    shutil.rmtree(os.path.join(check.folder, "deepspeed"))  # the device's disk holds a few checkpoints at most
+    for save in ("first", "second"):
+        tag = f"big_{save}"
+        measure(check, f"background_{save}_stopped", strategy.save_ckpt, engine, check.folder, tag, background=True)
+        measure(check, f"background_{save}_committed", wait_for_save, strategy)
+    buffers = engine.checkpoint_engine.buffers.values()  # the snapshot's, in pinned memory on a GPU
+    check.figures["snapshot_gb"] = round(sum(b.numel() * b.element_size() for b in buffers) / 1e9, 2)
+    if ON_GPU and hasattr(torch.cuda, "host_memory_stats"):  # what the pinned allocator holds, rounded as it rounds
+        stats = torch.cuda.host_memory_stats()  # its key for the bytes held: allocated_bytes(.all).current
+        pinned = next((v for k, v in stats.items() if k.startswith("allocated_bytes") and k.endswith("current")), 0)
+        check.figures["pinned_gb"] = round(pinned / 1e9, 2)
+    check.figures["background_stopped_vs_deepspeed"] = round(
+        check.figures["background_second_stopped_s"] / check.figures["deepspeed_save_s"], 3
+    )
     measure(check, "save_model", strategy.save_model, engine, None, os.path.join(check.folder, "weights"))
     engine.destroy()
 

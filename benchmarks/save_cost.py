@@ -1,5 +1,5 @@
 """What save_ckpt costs against DeepSpeed's own engine.save_checkpoint of the same engine: a 100M-parameter model at
-ZeRO 2 on 2 ranks, one launch, the two saves taken alternately (A B B A ...) into fresh folders.
+ZeRO 2 on 2 ranks, one launch, the saves taken alternately (A B C D, D C B A, ...) into fresh folders.
 
     python benchmarks/save_cost.py                    # 1 to 4 minutes on a 2-core CPU, 3.2 GB of disk at a time
     python benchmarks/save_cost.py --repeats 6 --dir /tmp/save-bench
@@ -9,6 +9,11 @@ save_ckpt does more than DeepSpeed's save: each rank's random generators, an fsy
 record with every file's size and its records' CRCs, the renames. The slower rank's time counts. It reports the
 median ratio save_ckpt / engine.save_checkpoint over the rounds, with the smallest and the largest, and the same
 against DeepSpeed's save followed by an fsync of every file it wrote (the durability save_ckpt pays for).
+
+save_ckpt(background=True) is timed twice in each of its saves: until it returns (the seconds training stops,
+against DeepSpeed's unsynced save) and until its thread has committed the checkpoint, nothing else running (against
+the synchronous save_ckpt). Last, the seconds of one training step while a background write runs, against one
+without, in alternating rounds (on 2 cores the writer competes with the step).
 """
 
 import argparse
@@ -26,27 +31,46 @@ def worker(args):
     import torch
 
     sys.path.insert(0, ROOT)
-    from get_strategy import fsync, get_strategy
+    from get_strategy import fsync, get_strategy, wait_for_save
 
     strategy = get_strategy(argparse.Namespace(zero_stage=2, micro_train_batch_size=1, train_batch_size=2))
     strategy.setup_distributed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=1e-4), None))
-    loss = engine(torch.randn(4, args.width)).pow(2).mean()
-    strategy.backward(loss, engine, None)
-    strategy.optimizer_step(None, engine, None)  # the optimizer state exists, as in any checkpoint of a run
+
+    def step():  # one optimizer step; its seconds
+        started = time.perf_counter()
+        loss = engine(torch.randn(4, args.width)).pow(2).mean()
+        strategy.backward(loss, engine, None)
+        strategy.optimizer_step(None, engine, None)
+        return time.perf_counter() - started
+
+    step()  # the optimizer state exists, as in any checkpoint of a run
+
+    def slowest(seconds):  # the slower rank's
+        seconds = torch.tensor(seconds)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+        return seconds.item()
 
     def timed(save, folder):
         shutil.rmtree(folder, ignore_errors=True)
         torch.distributed.barrier()
         started = time.perf_counter()
         save(folder)
-        seconds = torch.tensor(time.perf_counter() - started)
-        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slower rank's
+        seconds = slowest(time.perf_counter() - started)
         torch.distributed.barrier()
         shutil.rmtree(folder, ignore_errors=True)
-        return seconds.item()
+        return seconds
+
+    stopped = []  # the seconds each background save_ckpt took to return
+
+    def background_save(folder):  # returns once the state is in CPU memory; the commit is waited for here
+        started = time.perf_counter()
+        strategy.save_ckpt(engine, folder, background=True)
+        returned = time.perf_counter() - started
+        wait_for_save(strategy)
+        stopped.append(slowest(returned))
 
     def durable_deepspeed_save(folder):  # DeepSpeed's save, then an fsync of each file this rank wrote
         written, write = [], engine.checkpoint_engine.save
@@ -60,6 +84,7 @@ def worker(args):
 
     saves = {
         "save_ckpt": lambda folder: strategy.save_ckpt(engine, folder),
+        "save_ckpt background, until committed": background_save,
         "engine.save_checkpoint": lambda folder: engine.save_checkpoint(folder),
         "engine.save_checkpoint + fsync": durable_deepspeed_save,
     }
@@ -67,17 +92,36 @@ def worker(args):
     for repeat in range(args.repeats):
         order = list(saves) if repeat % 2 == 0 else list(reversed(saves))  # A B C, then C B A
         for name in order:
-            times[name].append(timed(saves[name], os.path.join(args.dir, name)))
+            times[name].append(timed(saves[name], os.path.join(args.dir, name.split()[0])))
+    times["save_ckpt background, until it returns"] = stopped
+    # A step while a background write runs, against one without, alternately.
+    quiet, writing = [], []
+    for repeat in range(args.repeats):
+        for during in (False, True) if repeat % 2 == 0 else (True, False):
+            folder = os.path.join(args.dir, "steps")
+            if during:
+                strategy.save_ckpt(engine, folder, background=True)
+            (writing if during else quiet).append(slowest(step()))
+            wait_for_save(strategy)
+            torch.distributed.barrier()
+            shutil.rmtree(folder, ignore_errors=True)
     if strategy.is_rank_0():
         parameters = sum(p.numel() for p in engine.module.parameters())
         print(f"result: {parameters / 1e6:.1f}M parameters, ZeRO 2, 2 ranks, {args.repeats} rounds", flush=True)
         for name, samples in times.items():
             spread = f"{statistics.median(samples):.2f} s ({min(samples):.2f} to {max(samples):.2f})"
             print(f"result: {name}: median {spread}")
-        for baseline in ("engine.save_checkpoint", "engine.save_checkpoint + fsync"):
-            ratios = [ours / theirs for ours, theirs in zip(times["save_ckpt"], times[baseline])]
+        pairs = [("save_ckpt", "engine.save_checkpoint"), ("save_ckpt", "engine.save_checkpoint + fsync")]
+        pairs += [("save_ckpt background, until it returns", "engine.save_checkpoint")]
+        pairs += [("save_ckpt background, until committed", "save_ckpt")]
+        for ours, baseline in pairs:
+            ratios = [a / b for a, b in zip(times[ours], times[baseline])]
             spread = f"{statistics.median(ratios):.3f} ({min(ratios):.3f} to {max(ratios):.3f})"
-            print(f"result: save_ckpt / {baseline}: median {spread}")
+            print(f"result: {ours} / {baseline}: median {spread}")
+        for name, samples in (("a step without a write", quiet), ("a step while a background write runs", writing)):
+            print(
+                f"result: {name}: median {statistics.median(samples):.2f} s ({min(samples):.2f} to {max(samples):.2f})"
+            )
     strategy.teardown()
 
 

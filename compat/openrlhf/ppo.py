@@ -265,15 +265,19 @@ def check(row, stage, work, site, pretrain, reward):
                 with open(os.path.join(folder, tag, "checkpoint_complete.json")) as f:
                     best[f"{model[1:]}/{tag}"] = json.load(f)["metric"]
     # 0.10.1's evaluations, read from disk as well as from the interleaved output of Ray's processes (where a
-    # line can be lost): the trainer passes its latest evaluation to every save_ckpt, so the actor's checkpoint
-    # of each evaluated step carries that step's eval_default_pass1 in its record.
+    # line can be lost). At each step the trainer saves the regular checkpoint first, passing its latest evaluation,
+    # and evaluates after: so the actor's global_step<k> carries the evaluation of the last evaluated step before k
+    # (global_step4 carries step 2's), and a best checkpoint best_global_step<e> carries step e's own.
     on_disk = {}
     for tag in checkpoints:
         with open(os.path.join(actor_ckpt, tag, "checkpoint_complete.json")) as f:
             metric = json.load(f)["metric"]
         step = int(tag.removeprefix("global_step"))
-        if metric and step % EVAL_STEPS == 0 and metric["key"] == "eval_default_pass1":
-            on_disk[step] = metric["value"]
+        if metric and metric["key"] == "eval_default_pass1":
+            on_disk[(step - 1) // EVAL_STEPS * EVAL_STEPS] = metric["value"]
+    for tag, metric in best.items():  # "actor/best_global_step4": {"key", "value"}
+        if metric and metric["key"] == "eval_default_pass1":
+            on_disk[int(tag.rsplit("best_global_step", 1)[1])] = metric["value"]
     _, again, _ = resume(row, stage, work, site, pretrain, reward, source=name, name=f"{name}_resumed")
     # 0.10.1: the order of a step's samples may differ between any two launches (main()), so a second
     # uninterrupted launch is the yardstick for the resumed one.

@@ -28,9 +28,8 @@ train_batch_size samples of all ranks and accumulation steps make one optimizer 
 
 The file has two parts. The first trains, with DeepSpeed (and a few hooks OpenRLHF's trainers call, each marked): the
 flags' defaults, get_strategy(), and the strategy's set-up, ds_config, prepare, backward and step, collectives and data
-loading. The second, after the line
-that says a learner can stop reading, serves OpenRLHF's trainers and keeps a run alive for days: checkpoints that
-resume exactly, in any run shape, and model weights.
+loading. The second, after the line that says a learner can stop reading, serves OpenRLHF's trainers and keeps a run
+alive for days: checkpoints that resume exactly, in any run shape, and model weights.
 
 The ZeRO stages say what each rank keeps of the training state. Stage 0: everything (plain data parallelism).
 Stage 1: the whole model and gradients, but only its 1/world_size share of the optimizer state (Adam's fp32

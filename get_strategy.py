@@ -1094,7 +1094,7 @@ class Checkpoints:
         header), and a thread of this process (BackgroundSave) does the rest: the writes, the fsyncs, and the
         ranks' agreement and the commit over a process group of the strategy's own. The training's process group is
         used by the calling thread alone; the next save_ckpt, load_ckpt, save_model, load_model or teardown first
-        waits for it (and DeepSpeed's own engine.save_checkpoint, called meanwhile, would be taken for part of it).
+        waits for it (DeepSpeed's own engine.save_checkpoint, called meanwhile, is the caller's and no part of it).
 
         A write that fails on any rank (a full disk or quota, an I/O error, a read-only folder) raises on every
         rank, naming the rank, the file, the error and the free space (with background, at that next call), and
@@ -1707,7 +1707,10 @@ class Checkpoints:
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if zero3 else (0, 1)
         zipped = zipfile.is_zipfile(path)  # torch.save's format, a CRC for each tensor; other formats have none
         problem = f"{path} is missing" if not os.path.isfile(path) else None
-        problem = problem or (zip_damage(path, None, rank, world_size) if zipped else None)
+        try:  # a read that fails is refused as damage is, on every rank: raised here alone, the others would wait
+            problem = problem or (zip_damage(path, None, rank, world_size) if zipped else None)
+        except OSError as error:
+            problem = f"{path} cannot be read on rank {rank}: {error!r}"
         every_rank = isinstance(self.engine, deepspeed.DeepSpeedEngine) or zero3  # every rank calls it
         problem = self._first_of_ranks(problem) if every_rank else problem
         if problem:

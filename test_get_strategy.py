@@ -1969,6 +1969,9 @@ def test_a_read_error_while_checking_raises_on_every_rank_instead_of_falling_bac
         assert "on rank 1" in got["eio_file"] and "on rank 0" in got["eio_record"] and "on rank 1" in got["eio_stat"], (
             got
         )
+        # load_model's shared check too: every rank refuses at once, none waits for rank 1 in a collective.
+        assert got["load_model_eio"].startswith("ValueError: refusing to load: "), got["load_model_eio"]
+        assert "cannot be read on rank 1" in got["load_model_eio"] and got["load_model_eio_seconds"] < 30, got
 
 
 def test_client_state_keys_of_deepspeeds_own_are_refused_before_anything_is_written(quick_run):
@@ -4835,6 +4838,22 @@ def own_resumes(rank, out_dir):
             got[f"eio_{where}"] = error_of(strategy.load_ckpt, fresh, folder)
         finally:
             setattr(module, name, original)
+    # load_model at ZeRO 3, whose shared CRC check meets a read error on rank 1 alone: refused on every rank at once.
+    strategy3 = new_strategy(3)
+    evaluated, weights = strategy3.prepare(make_model()), os.path.join(out_dir, "own_weights.pt")
+    on_rank_0(torch.save, make_model().state_dict(), weights)
+
+    def unreadable_on_rank_1(path, *args, **kwargs):
+        if rank == 1 and str(path) == weights:
+            raise OSError(5, "Input/output error", str(path))
+        return zip_file(path, *args, **kwargs)
+
+    zipfile.ZipFile, started = unreadable_on_rank_1, time.perf_counter()
+    try:
+        got["load_model_eio"] = error_of(strategy3.load_model, evaluated, weights)
+    finally:
+        zipfile.ZipFile = zip_file
+    got["load_model_eio_seconds"] = time.perf_counter() - started
     # client_state keys that are DeepSpeed's own: refused before anything is written.
     folder = os.path.join(out_dir, "own_keys")
     got["keys"] = error_of(strategy.save_ckpt, engine, folder, client_state={"global_steps": 7})

@@ -40,7 +40,6 @@ weights, gathering each layer's full weights just while the layer runs.
 import atexit
 import contextlib
 import copy
-import functools
 import gc
 import io
 import json
@@ -53,8 +52,10 @@ import resource
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import threading
+import time
 import zipfile
 import zlib
 from datetime import timedelta
@@ -404,6 +405,7 @@ class DeepspeedStrategy:
         if optimizer is None:
             fix = "strategy.create_optimizer(model), or pass the bare model for an eval engine"
             raise ValueError(f"prepare((model, optimizer, scheduler)) trains and needs an optimizer: {fix}")
+        refuse_what_prepare_cannot_wrap(model, optimizer, self.adam_offload)
         # The optimizer's groups by parameter name, before DeepSpeed regroups them: save_ckpt records them, since
         # a ZeRO 0 checkpoint keys Adam's state by position alone.
         names = {id(p): name for name, p in engine_of(model).named_parameters()}
@@ -416,6 +418,7 @@ class DeepspeedStrategy:
         return in_actor(model, engine), optimizer, scheduler
 
     def _init_eval_engine(self, model):
+        refuse_what_prepare_cannot_wrap(model)
         # OpenRLHF marks a frozen model whose weights may live in CPU memory with an `_offload` attribute.
         config = self.get_ds_eval_config(offload=getattr(model, "_offload", False))
         engine, *_ = deepspeed.initialize(model=engine_of(model), config=config)
@@ -548,8 +551,9 @@ class DeepspeedStrategy:
         background (None: the --background_save flag) returns once the state is copied to CPU memory, and the
         checkpoint is written and committed while training goes on."""
         background = self.background_save if background is None else background
-        options = (max_num, max_mem, client_state or {}, save_latest, metric_value, metric_key, background)
-        Checkpoints(self, model).save(save_dir, tag, *options)
+        options = dict(max_num=max_num, max_mem=max_mem, client_state=client_state or {}, save_latest=save_latest)
+        options.update(metric_value=metric_value, metric_key=metric_key, background=background)
+        Checkpoints(self, model, "save_ckpt").save(save_dir, tag, **options)
 
     def load_ckpt(
         self,
@@ -565,11 +569,11 @@ class DeepspeedStrategy:
         (load_path, client_state), or (None, {}) where load_dir holds none. All ranks call it (Checkpoints.load).
         Load only checkpoints you trust: DeepSpeed unpickles its files, so a crafted one runs code as it loads."""
         options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        return Checkpoints(self, model).load(load_dir, tag, *options)
+        return Checkpoints(self, model, "load_ckpt").load(load_dir, tag, *options)
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights to output_dir, for use outside training (Checkpoints.save_model)."""
-        Checkpoints(self, model).save_model(tokenizer, output_dir, **kwargs)
+        Checkpoints(self, model, "save_model").save_model(tokenizer, output_dir, **kwargs)
 
     def load_model(self, model, path, map_location="cpu", strict=False, key_replace_fn=None) -> None:
         """Load a state dict file into model, tensors only (Checkpoints.load_model)."""
@@ -752,6 +756,19 @@ def in_actor(model, engine):
     return model
 
 
+def refuse_what_prepare_cannot_wrap(model, optimizer=None, adam_offload=False) -> None:
+    """For prepare, which refuses what DeepSpeed would take wrongly or fail on without naming the fix: a module
+    torch.compile() wrapped (its names gain "_orig_mod.", and at ZeRO 3 DeepSpeed fails at its first forward), and
+    with adam_offload an optimizer other than DeepSpeedCPUAdam (DeepSpeed refuses it, advising ds_config keys)."""
+    if hasattr(engine_of(model), "_orig_mod"):  # what torch.compile returns: an OptimizedModule around the model
+        fix = "pass the model itself, and compile the engine prepare returns: engine.compile()"
+        raise ValueError(f"prepare got a module torch.compile() wrapped: {fix}")
+    if adam_offload and not isinstance(optimizer, deepspeed.ops.adam.DeepSpeedCPUAdam):
+        why = f"--adam_offload steps Adam on the CPU with DeepSpeedCPUAdam, and prepare got {type(optimizer).__name__}"
+        fix = "build it with strategy.create_optimizer(model, lr=..., weight_decay=...) (no decay on biases and norms)"
+        raise ValueError(f"{why}: {fix}, or drop --adam_offload")
+
+
 def update_ema(module, ema_module, beta: float, device) -> None:
     """moving_average's update (its docstring says what it computes), one pair of weights gathered at a time."""
     device = get_accelerator().current_device_name() if device == "cuda" else device
@@ -924,143 +941,227 @@ def load_file(path, done=None, **options):
 
 
 class DurableWriter(TorchCheckpointEngine):
-    """The writer save_ckpt plugs into DeepSpeed where it takes one (engine.checkpoint_engine): each file DeepSpeed
-    saves is also made durable (fsync) and reported, with its size and records' digest, for the record; with
-    background, its state is copied into CPU buffers instead, for finish_writing() to write on the save's thread.
-    Inside a save_ckpt a failed write is noted, and every write after it skipped, instead of raised: raised, it
-    would take this rank out of the barriers inside DeepSpeed's save_checkpoint while the others waited there for
-    the process group's timeout; noted, it reaches every rank at the agreement after the save. Outside one
-    (DeepSpeed's own save_checkpoint or save_16bit_model, called by you, also while a background save writes) it
-    writes and raises as DeepSpeed's writer does."""
+    """The writer save_ckpt plugs into DeepSpeed where it takes one (engine.checkpoint_engine). While a save_ckpt has
+    DeepSpeed save its files, each goes to that save's OwnFiles; outside one (DeepSpeed's own save_checkpoint or
+    save_16bit_model, called by you, also while a background save writes) it writes as DeepSpeed's own writer does."""
 
-    active = False  # inside a save_ckpt, while DeepSpeed hands over its files (on the calling thread)
-    failed = None  # from a save_ckpt's start to its report a list, holding the first (path, error); None outside
-
-    def __init__(self):
-        super().__init__()
-        self.buffers = {}  # CPU copies of a background save's tensors by their order, made at the first, reused
-
-    def begin(self, background: bool) -> None:
-        self.active, self.failed, self.written, self.queued, self.copies = True, [], {}, [], []
-        # holds: at ZeRO 1-2, the slices of each parameter this rank's optimizer file holds (the record's)
-        self.background, self.holds = background, {}
-
-    def preserves_storage_sharing(self) -> bool:
-        # Asked by DeepSpeed, which then copies each tensor to the CPU itself (a view would otherwise save its whole
-        # storage): a snapshot copies each tensor already.
-        return not (self.active and self.background)
-
-    def attempt(self, path, function, *args) -> None:
-        if self.failed is None:  # outside save_ckpt
-            return function(*args)
-        try:
-            if not self.failed:
-                function(*args)
-        except Exception as error:
-            self.failed.append((path, str(error)))  # not the error itself: its traceback holds the file open
+    files = None  # the OwnFiles of the save_ckpt under way on the calling thread
+    buffers = []  # the last background save's copies (OwnFiles.copies), which the next one reuses
 
     def save(self, state_dict, path: str) -> None:
-        if not self.active:  # outside save_ckpt: as DeepSpeed's own writer
+        if self.files is None:
             torch.save(state_dict, path)
-        elif self.background:
-            self.attempt(path, lambda: self.queued.append((path, self.snapshot(state_dict))))
         else:
-            self.attempt(path, self._write, state_dict, path)
+            self.files.add(state_dict, path)
+
+
+class OwnFiles:
+    """This rank's files of one save_ckpt, in its staging folder, <tag>.saving. Each file is written as DeepSpeed
+    hands it over, made durable (fsync) and reported with its size and records' digest, for the record; with
+    background, its state is copied into CPU memory instead (snapshot), for write_queued() to write on the save's
+    thread. A failed write is noted, and every write after it skipped, instead of raised: raised, it would take this
+    rank out of the barriers inside DeepSpeed's save_checkpoint while the others waited there for the process
+    group's timeout; noted, it reaches every rank at the agreement after the save."""
+
+    def __init__(self, staging, background, rank, buffers):
+        self.staging, self.background, self.rank = staging, background, rank
+        self.buffers = buffers  # an earlier background save's copies, reused where a storage's size matches
+        self.copies = []  # this save's copies, one per storage, in order
+        self.queued = []  # (path, the state as snapshot() copied it), waiting to be written
+        self.written = {}  # {file name: [size, records digest]}
+        self.holds = {}  # at ZeRO 1-2, the slices of each parameter this rank's optimizer file holds (the record's)
+        self.failed = None  # what the first write that failed said, naming the rank, the file and the likely cause
+
+    def add(self, state, path) -> None:
+        if self.background:
+            self.attempt(path, lambda: self.queued.append((path, self.snapshot(state))))
+        else:
+            self.attempt(path, self.write_file, state, path)
+
+    def attempt(self, path, function, *args) -> None:
+        if self.failed is None:
+            try:
+                function(*args)
+            except Exception as error:  # kept as its message: the error's traceback holds the file open
+                self.failed = failed_write(path, error, self.rank, os.path.dirname(self.staging))
 
     def snapshot(self, state):
-        """state as it is now: each tensor copied into a buffer (on a GPU without waiting; save_ckpt waits once for
-        all), every other object as pickle copies it, so that training can go on changing the originals."""
+        """state as it is now, for training to change the original meanwhile: pickled as torch.save pickles it, each
+        storage (the memory under one tensor or several) copied once into a CPU buffer, on a GPU without waiting
+        (save_ckpt waits once for all). So Parameters, requires_grad, one tensor under two names and views of one
+        storage come back as a synchronous save's do."""
+        indexes = {}  # a storage's identity (_cdata, as torch.save keys it) -> its copy's index
+
+        def persistent_id(value):  # a storage pickles as its copy's index; anything else as pickle does
+            if isinstance(value, torch.storage.TypedStorage):  # how a tensor pickles its storage
+                value, dtype = value._untyped_storage, value.dtype
+            elif isinstance(value, torch.UntypedStorage):  # how the newest dtypes' tensors pickle theirs
+                dtype = None
+            else:
+                return None
+            if value._cdata not in indexes:
+                indexes[value._cdata] = self.copy(value)
+            return indexes[value._cdata], dtype
+
+        def persistent_load(saved):
+            copy, dtype = self.copies[saved[0]].untyped_storage(), saved[1]
+            return copy if dtype is None else torch.storage.TypedStorage(wrap_storage=copy, dtype=dtype, _internal=True)
+
         pickled = io.BytesIO()
         pickler = pickle.Pickler(pickled)
-        pickler.persistent_id = lambda value: self.copy(value) if isinstance(value, torch.Tensor) else None
+        pickler.persistent_id = persistent_id
         pickler.dump(state)
         unpickler = pickle.Unpickler(io.BytesIO(pickled.getvalue()))
-        unpickler.persistent_load = self.copies.__getitem__
+        unpickler.persistent_load = persistent_load
         return unpickler.load()
 
-    def copy(self, tensor) -> int:
-        """Copy tensor into the next buffer of this save (made anew where the state's shapes changed); its index."""
+    def copy(self, storage) -> int:
+        """Copy storage into this save's next buffer (the earlier save's, where it has the size); its index."""
         index = len(self.copies)
-        buffer = self.buffers.get(index)
-        if buffer is None or (buffer.shape, buffer.dtype) != (tensor.shape, tensor.dtype):
+        buffer = self.buffers[index] if index < len(self.buffers) else None
+        if buffer is None or buffer.numel() != storage.nbytes():
             pinned = get_accelerator().device_name() != "cpu"  # pinned: copied by DMA, without the host waiting
-            buffer = self.buffers[index] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-        self.copies.append(buffer.copy_(tensor.detach(), non_blocking=True))
+            buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        buffer.untyped_storage().copy_(storage, non_blocking=True)
+        self.copies.append(buffer)
         return index
 
-    def _write(self, state_dict, path: str) -> None:
-        torch.save(state_dict, path)  # a zip archive, as DeepSpeed's own writer saves by default
-        if self.failed is not None:  # inside save_ckpt: durable, before rank 0 commits, and reported for the record
-            fsync(path)
-            with zipfile.ZipFile(path) as archive:
-                self.written[os.path.basename(path)] = [os.path.getsize(path), records_digest(archive)]
+    def write_file(self, state, path: str) -> None:
+        torch.save(state, path)  # a zip archive, as DeepSpeed's own writer saves by default
+        fsync(path)  # durable before rank 0 commits
+        with zipfile.ZipFile(path) as archive:
+            self.written[os.path.basename(path)] = [os.path.getsize(path), records_digest(archive)]
 
-    def finish_writing(self, staging, save_dir, rank):
-        """Write what a background save copied, make the folder's names durable, and report: (what failed or None,
-        {name: [size, records digest, at ZeRO 1-2 for its optimizer file the slices it holds]} of the files
-        written). Rank 0's record lists the files the ranks report: its own listing of a shared folder can miss
-        another node's files for a while, as NFS's attribute cache does."""
+    def write_queued(self):
+        """Write what snapshot() copied, make the folder's names durable, and report: (what failed or None, {file
+        name: [size, records digest, at ZeRO 1-2 for the optimizer file the slices it holds]}). Rank 0's record
+        lists the files the ranks report: its own listing of a shared folder can miss another node's files for a
+        while, as NFS's attribute cache does."""
         for path, state in self.queued:
-            self.attempt(path, self._write, state, path)
-        self.attempt(staging, fsync, staging)  # the folder's list of names, too
-        failed, self.failed, self.queued, self.copies = self.failed, None, [], []
+            self.attempt(path, self.write_file, state, path)
+        self.queued = []
+        self.attempt(self.staging, fsync, self.staging)
         for name, spec in self.written.items():
             spec += [self.holds] if self.holds and name.endswith("optim_states.pt") else []
-        if not failed:
-            return None, self.written
-        # torch.save's errors name no cause (an unexpected position in its zip writer): the two usual ones are here.
-        path, error = failed[0]
-        try:
-            why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
-        except OSError as gone:  # this node lost the folder: say so, still without raising
-            why = f"{save_dir} cannot be read here ({gone})"
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
-            why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
-        where = f"on rank {rank} ({socket.gethostname()}) writing {path}"
-        return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged", {}
+        if self.failed:
+            return self.failed, {}
+        return None, self.written
+
+
+def failed_write(path, error, rank, save_dir) -> str:
+    """What a write that failed says: the rank, the file, the error, and the two usual causes (torch.save names
+    none: an unexpected position in its zip writer)."""
+    try:
+        why = f"{save_dir} has {shutil.disk_usage(save_dir).free / 2**20:.1f} MiB free"
+    except OSError as gone:  # this node lost the folder: say so, still without raising
+        why = f"{save_dir} cannot be read here ({gone})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        why += f", and this process may write files of at most {limit} bytes (ulimit -f)"
+    where = f"on rank {rank} ({socket.gethostname()}) writing {path}"
+    return f"save_ckpt failed {where}: {error}; {why}; the checkpoint before it is unchanged"
+
+
+WRITER_NICE = 19  # the background save's thread's CPU priority (Linux nice: 0 as training, 19 the lowest)
 
 
 class BackgroundSave(threading.Thread):
-    """A save_ckpt(background=True) finishing on a thread of its own, which Checkpoints.save starts and wait_for_save
-    alone waits for. The calling thread snapshots (DurableWriter's begin, save, snapshot, copy) and later waits; this
-    thread runs finish(): the writes (finish_writing), then the agreement with the other ranks' threads and rank 0's
-    commit, over a gloo process group of the strategy's own (every rank makes it at its first background save), never
-    the training's, whose collectives, the calling thread's, these would interleave with. A rank that died is noticed
-    at once (its connection closes); one that hangs, at the group's timeout, setup_distributed's. A failure is
-    printed when it happens, and raised by the next call that waits. Not a daemon: a process that ends without
-    teardown() (OpenRLHF's trainers do not call it) finishes the save before the interpreter exits, with exit code 1
-    where it failed (exit_if_the_last_save_failed); one killed meanwhile leaves <tag>.saving without a record, a row
-    of the table."""
+    """A save_ckpt(background=True) finishing on a thread of its own: Checkpoints.save starts it, wait_for_save alone
+    waits for it. Its thread runs finish(): the writes (OwnFiles.write_queued), the agreement with the other ranks'
+    threads and rank 0's commit, over a gloo process group of the strategy's own (every rank makes it at its first
+    background save), never the training's, whose collectives, the calling thread's, these would interleave with. A
+    rank that died is noticed at once (its connection closes); one that hangs, at the group's timeout,
+    setup_distributed's. A failure is printed when it happens, and raised by the next call that waits.
+
+    Not a daemon: a process that ends without teardown() (OpenRLHF's trainers do not call it), also by an exception
+    or sys.exit() in a signal handler during a wait, finishes the save before the interpreter exits, with exit code 1
+    where it failed (exit_if_a_save_failed_unseen); one killed meanwhile leaves <tag>.saving without a record, a row
+    of the table. The thread runs at the lowest CPU priority (nice 19, on Linux a thread's own): its writes take the
+    CPU time training leaves."""
+
+    unseen = []  # the failed saves no call has raised yet, for the interpreter's exit
 
     def __init__(self, finish, tag, rank):
         super().__init__(name=f"save_ckpt {tag}")
         self.finish, self.tag, self.rank, self.problem = finish, tag, rank, None
+        # Set as the thread's work ends. A wait waits for it, not in Thread.join(): in Python 3.11 an exception
+        # that leaves join() (Ctrl-C's KeyboardInterrupt, a signal handler's) marks the running thread stopped, so
+        # that no later join() and not the interpreter's exit waits for it (bpo-45274's handler).
+        self.done = threading.Event()
 
     def run(self) -> None:
+        if sys.platform == "linux":
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             self.problem = self.finish()
         except Exception as error:  # the group failed: a rank died, or did not answer within the group's timeout
             self.problem = f"save_ckpt of {self.tag} failed in the background on rank {self.rank}: {error!r}"
         if self.problem:
             print(f"rank {self.rank}: {self.problem}", flush=True)
+            BackgroundSave.unseen.append(self)
+        self.done.set()
 
 
-def exit_if_the_last_save_failed(strategy) -> None:
-    """At the interpreter's exit (after it waited for a background save's thread): a save that failed, which no call
-    waited for, ends the process with exit code 1, its reason printed by the thread."""
-    if strategy.pending_save is not None and strategy.pending_save.problem:
-        os._exit(1)
+ARRIVAL_WARNING = timedelta(minutes=1)  # how long a rank waits at a call every rank must make before it says so
+ARRIVALS = {}  # {call: how many times this process made it}: every rank makes such calls in the same order
+
+
+def every_rank_arrives(strategy, call: str) -> None:
+    """Wait at the entry of call (save_ckpt, load_ckpt or save_model), which every rank must make, until every rank
+    has made it: each rank appends its number to one key of the process group's store, and reads it back until all
+    are there. A rank that has waited ARRIVAL_WARNING says which ranks have not come and why they must, and waits on
+    (a rank that is only slow fails nothing) until the process group's timeout: a script that saves on rank 0 alone
+    would otherwise hang in silence, inside DeepSpeed. The store is read, not waited on: a wait would hold its
+    connection, which other threads share, until it ends."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    ARRIVALS[call] = ARRIVALS.get(call, 0) + 1
+    key = f"get_strategy/{call}/{ARRIVALS[call]}"
+    store.append(key, f"{rank},")
+    rule = f"every rank must call {call}, and at ZeRO 3 run every forward pass (a call on rank 0 alone waits here)"
+    started, pause, warned = time.monotonic(), 0.001, False
+    while True:
+        arrived = {int(r) for r in store.get(key).decode().split(",") if r}  # "0,1,": ranks 0 and 1
+        if len(arrived) == world_size:
+            return
+        waited, missing = time.monotonic() - started, sorted(set(range(world_size)) - arrived)
+        if waited > strategy.timeout.total_seconds():
+            ARRIVALS[call] -= 1  # it raised before it did anything: as if never made
+            raise RuntimeError(f"{call}: ranks {missing} did not call it within {strategy.timeout}: {rule}")
+        if waited > ARRIVAL_WARNING.total_seconds() and not warned:
+            print(
+                f"rank {rank} has waited {waited:.0f} s in {call} for ranks {missing}: {rule}; waiting on", flush=True
+            )
+            warned = True
+        time.sleep(pause)
+        pause = min(1.0, pause * 2)  # soon for ranks a moment apart, then once a second
 
 
 def wait_for_save(strategy) -> None:
     """Wait for the strategy's background save in flight, if any; raise what failed in it (the same on every rank:
-    the ranks agreed on it)."""
-    pending, strategy.pending_save = strategy.pending_save, None
+    the ranks agreed on it). Interrupted (Ctrl-C, a signal handler that raises or exits), the save stays in flight:
+    the next call waits for it again, and so does the interpreter's exit."""
+    pending = strategy.pending_save
     if pending is not None:
-        pending.join()
+        pending.done.wait()
+        strategy.pending_save = None
         if pending.problem:
+            BackgroundSave.unseen.remove(pending)
             raise RuntimeError(pending.problem)
+
+
+def exit_if_a_save_failed_unseen() -> None:
+    """At the interpreter's exit, after it waited for every background save's thread: a save that failed, which no
+    call raised, ends the process with exit code 1, its reason printed by the thread. Registered as this file is
+    imported, so that it runs after the exit handlers registered later (Python runs the newest first): a script's
+    own (a tracker's final sync) run before it."""
+    if BackgroundSave.unseen:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(exit_if_a_save_failed_unseen)
 
 
 class Checkpoints:
@@ -1068,7 +1169,9 @@ class Checkpoints:
     checkpoints (save, load) and its full weights (save_model, load_model). The strategy's save_ckpt, load_ckpt,
     save_model and load_model each make one and hand it their arguments."""
 
-    def __init__(self, strategy: DeepspeedStrategy, model):
+    def __init__(self, strategy: DeepspeedStrategy, model, call=None):
+        if call is not None:  # first: no rank is taken for absent while it waits for its own background save
+            every_rank_arrives(strategy, call)
         wait_for_save(strategy)  # one save in flight: a background one ends (or raises) before anything else starts
         self.strategy, self.print = strategy, strategy.print
         self.rank, self.world_size = strategy.get_rank(), strategy.world_size
@@ -1078,7 +1181,7 @@ class Checkpoints:
     # ---------------------------------------------------------------------------------------------------------
     # Saving
 
-    def save(self, save_dir, tag, max_num, max_mem, client_state, save_latest, metric_value, metric_key, background):
+    def save(self, save_dir, tag, *, max_num, max_mem, client_state, save_latest, metric_value, metric_key, background):
         """Save a checkpoint that resumes exactly: DeepSpeed's model, optimizer and scheduler states, client_state
         (your loop's counters) and every rank's random generators, in the steps the section's header lists. All
         ranks must call it, save_dir must be on a filesystem every rank sees, and one run saves into it at a time
@@ -1119,31 +1222,34 @@ class Checkpoints:
         problem = self._start(save_dir, tag, save_latest) if self.rank == 0 else None
         self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
         record = self._record(metric)  # what the record says besides the files, taken with the state
-        writer = self._write_own_files(save_dir, tag, client_state, background)
-        finish = functools.partial(self._finish, writer, save_dir, tag, save_latest, record, max_num, max_mem)
-        if background:
-            if self.strategy.save_group is None:  # a collective of every rank, on the calling thread
-                self.strategy.save_group = dist.new_group(backend="gloo", timeout=self.strategy.timeout)
-                atexit.register(exit_if_the_last_save_failed, self.strategy)
-            finish = functools.partial(finish, group=self.strategy.save_group)
-            self.strategy.pending_save = BackgroundSave(finish, tag, self.rank)
-            self.strategy.pending_save.start()
-            return
-        problem = finish(group=None)  # the training's process group
-        if problem:
-            raise RuntimeError(problem)
+        files = self._save_own_files(save_dir, tag, client_state, background)
 
-    def _finish(self, writer, save_dir, tag, save_latest, record, max_num, max_mem, group):
+        def finish(group):  # the rest, over group (None: the training's process group)
+            options = dict(save_latest=save_latest, max_num=max_num, max_mem=max_mem, group=group)
+            return self._finish(files, save_dir, tag, record, **options)
+
+        if not background:
+            problem = finish(group=None)
+            if problem:
+                raise RuntimeError(problem)
+            return
+        if self.strategy.save_group is None:  # a collective of every rank, on the calling thread
+            self.strategy.save_group = dist.new_group(backend="gloo", timeout=self.strategy.timeout)
+        group = self.strategy.save_group
+        self.strategy.pending_save = BackgroundSave(lambda: finish(group), tag, self.rank)
+        self.strategy.pending_save.start()
+
+    def _finish(self, files, save_dir, tag, record, *, save_latest, max_num, max_mem, group):
         """Steps 1 to 3 once every rank's files are written or copied: the writes of a background save, the ranks'
         agreement over group (collectives), rank 0's commit, and on a failure the removal of what the save made;
         then rank 0 renames and rotates. Returns None, or what failed, as every rank sees it."""
         staging = os.path.join(save_dir, tag + STAGING)
         every_rank = [None] * self.world_size
-        dist.all_gather_object(every_rank, writer.finish_writing(staging, save_dir, self.rank), group=group)
+        dist.all_gather_object(every_rank, files.write_queued(), group=group)
         problem = next((failed for failed, _ in every_rank if failed), None)
         if problem is None and self.rank == 0:  # one writer for every shared file
-            files = {name: spec for _, written in every_rank for name, spec in written.items()}
-            problem = self._commit(save_dir, tag, save_latest, record, files)
+            written = {name: spec for _, specs in every_rank for name, spec in specs.items()}
+            problem = self._commit(save_dir, tag, save_latest, record, written)
         problem = self._first_of_ranks(problem, group)
         if problem:  # nothing is committed (a record _commit wrote, it removed): give the space back
             shutil.rmtree(staging, ignore_errors=True)  # each rank, also where its node has a save_dir of its own
@@ -1224,11 +1330,13 @@ class Checkpoints:
             latest = os.path.join(save_dir, LATEST)
             if save_latest and os.path.lexists(latest) and not os.path.isfile(latest):
                 return f"save_ckpt refused before writing: {latest} is no file, and the save would write it"
-            found = self._checkpoints(save_dir)  # {tag: folder}, oldest first
-            newest = list(found.values())[-1] if found else None
-            saved = newest and (self._read_record(os.path.join(save_dir, newest)) or {}).get("tensors")
-            where = f"{save_dir}'s newest checkpoint, {newest},"
-            mismatch = saved and self._model_mismatch(saved, self._tensor_shapes(self.module), where)
+            found = list(self._checkpoints(save_dir).values())  # oldest first
+            newest = (self._read_record(os.path.join(save_dir, found[-1])) or {}) if found else {}
+            self.sequence = newest.get("sequence", 0) + 1  # one after the newest's, for the record (_commit)
+            where = f"{save_dir}'s newest checkpoint, {found[-1] if found else None},"
+            mismatch = "tensors" in newest and self._model_mismatch(
+                newest["tensors"], self._tensor_shapes(self.module), where
+            )
             if mismatch:
                 fix = "save each model in a save_dir of its own (a save_dir per model: PPO's actor and critic)"
                 return f"save_ckpt refused before writing: {mismatch}; {fix}"
@@ -1245,18 +1353,24 @@ class Checkpoints:
         return all(CHECKPOINT_FILES.fullmatch(n) and os.path.isfile(os.path.join(path, n)) for n in os.listdir(path))
 
     def _checkpoints(self, save_dir) -> dict:
-        """{tag: folder} of this file's checkpoints in save_dir (folders holding a record), oldest first by when
-        each was committed; <tag>.saving stands for <tag>."""
+        """{tag: folder} of this file's checkpoints in save_dir (folders holding a record), oldest first in the order
+        their records were committed (their sequence; a record that says none, damaged, by its file's time, before
+        the others); <tag>.saving stands for <tag>. Not by the files' times alone, which a copy may not keep."""
         found = {}
         for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []:  # <tag> before <tag>.saving
             if not name.endswith(DELETING) and is_file(os.path.join(save_dir, name, DONE_FILE)):
                 found[name.removesuffix(STAGING)] = name
-        committed = {tag: os.path.getmtime(os.path.join(save_dir, name, DONE_FILE)) for tag, name in found.items()}
-        return {tag: found[tag] for tag in sorted(found, key=lambda tag: (committed[tag], tag))}
 
-    def _write_own_files(self, save_dir, tag, client_state, background):
-        """Write this rank's files of the checkpoint into <tag>.saving through the DurableWriter, or with background
-        copy their state into its CPU buffers; returns the writer, whose finish_writing() reports them."""
+        def committed(tag):
+            folder = os.path.join(save_dir, found[tag])
+            sequence = (self._read_record(folder) or {}).get("sequence", 0)
+            return sequence, os.path.getmtime(os.path.join(folder, DONE_FILE)), tag
+
+        return {tag: found[tag] for tag in sorted(found, key=committed)}
+
+    def _save_own_files(self, save_dir, tag, client_state, background) -> OwnFiles:
+        """This rank's files of the checkpoint, as DeepSpeed's save_checkpoint hands them to the DurableWriter:
+        written into <tag>.saving, or with background copied into CPU memory."""
         engine, writer = self.engine, self.engine.checkpoint_engine
         if not isinstance(writer, DurableWriter):  # once per engine
             writer = engine.checkpoint_engine = DurableWriter()
@@ -1264,30 +1378,35 @@ class Checkpoints:
             # and zero_to_torch.py into save_dir, after its last write and before its last barrier.
             copy_scripts = engine._copy_recovery_script
             engine._copy_recovery_script = lambda path: (
-                writer.attempt(path + "/zero_to_fp32.py", copy_scripts, path) if writer.active else copy_scripts(path)
+                writer.files.attempt(path + "/zero_to_fp32.py", copy_scripts, path)
+                if writer.files
+                else copy_scripts(path)
             )
-        writer.begin(background)
+        staging = os.path.join(save_dir, tag + STAGING)
+        files = writer.files = OwnFiles(staging, background, self.rank, writer.buffers)
         # At ZeRO 3 a parameter that trains but that the optimizer does not hold lies in no file DeepSpeed writes
         # (its model states hold a (0,) placeholder): each rank keeps its partition in its model states.
         held = {name for names in engine.param_group_names for name in names}
         params = self.module.named_parameters()
         unheld = {n: p.ds_tensor for n, p in params if hasattr(p, "ds_tensor") and p.requires_grad and n not in held}
         try:
-            staging = os.path.join(save_dir, tag + STAGING)
             if not os.path.isdir(staging):  # rank 0 made it: this node does not share save_dir (or sees it late)
-                writer.failed.append((staging, "no such folder here: save_dir must be a folder every rank shares"))
-            writer.save(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=self.rank)))
+                why = "no such folder here: save_dir must be a folder every rank shares"
+                files.failed = failed_write(staging, why, self.rank, save_dir)
+            files.add(self._get_rng_states(), os.path.join(staging, RNG_FILE.format(rank=self.rank)))
             states = {**client_state, UNHELD: unheld} if unheld else client_state
             engine.save_checkpoint(save_dir, tag=tag + STAGING, client_state=states, save_latest=False)
         finally:
-            writer.active = False  # DeepSpeed's own saves from here on are the caller's
+            writer.files = None  # DeepSpeed's own saves from here on are the caller's
         get_accelerator().synchronize()  # the copies into pinned memory have landed before training goes on
+        if background:
+            writer.buffers = files.copies  # the next background save reuses them: as large as this one's, no more
         # At ZeRO 1-2 a rank's optimizer file holds one flat range of each group: which slice of which parameter,
         # its _hp_mapping says (ZeRO 3's layout follows from the shapes). The record keeps them, so that a load
         # opens only the files holding what it needs.
         mapped = [(n, getattr(p, "_hp_mapping", None)) for n, p in self.module.named_parameters()]
-        writer.holds = {n: [m.lp_fragment_address.start, m.lp_fragment_address.numel] for n, m in mapped if m}
-        return writer
+        files.holds = {n: [m.lp_fragment_address.start, m.lp_fragment_address.numel] for n, m in mapped if m}
+        return files
 
     def _get_rng_states(self) -> dict:
         # Plain Python and torch types only, so load_ckpt can read them back with weights_only=True.
@@ -1306,6 +1425,7 @@ class Checkpoints:
         record["files"] = {name: spec[0] for name, spec in sorted(files.items())}
         record["contents"] = {name: spec[1] for name, spec in sorted(files.items())}  # records_digest
         record["holds"] = {name: spec[2] for name, spec in files.items() if len(spec) > 2}  # {name: [start, length]}
+        record["sequence"] = self.sequence  # the order of commits in save_dir, which its files' times may lose
         record["crc"] = self._record_crc(record)  # the record's own, so a damaged record is told from a missing one
         try:
             self._write_atomically(os.path.join(save_dir, tag + STAGING, DONE_FILE), json.dumps(record, indent=1))

@@ -77,6 +77,7 @@ The second tier (marked full) establishes everything else:
 """
 
 import argparse
+import atexit
 import builtins
 import contextlib
 import functools
@@ -1195,6 +1196,18 @@ def save_dir_states(tmp_path_factory):
         rng = torch.load(gpu / "g" / "rng_state_rank0.pt", weights_only=True)
         rng.update(device_type="cuda", device=torch.zeros(16, dtype=torch.uint8))
         got["gpu_rng"] = error_of(Checkpoints(strategy, engine)._set_rng_states, rng)
+        # h. A save_dir copied without its files' times (cp -r, an object store and back), latest lost on the way:
+        # the first checkpoint saved now looks the newest, the last the oldest.
+        copied = out / "copied"
+        for tag in ("first", "second", "third"):
+            strategy.save_ckpt(engine, str(copied), tag=tag)
+        for age, tag in enumerate(("first", "second", "third")):
+            for path in (copied / tag / DONE_FILE, copied / tag):
+                os.utime(path, (time.time() - 100 * age, time.time() - 100 * age))
+        os.remove(copied / "latest")
+        got["copied_newest"] = loaded(copied)[0]
+        strategy.save_ckpt(engine, str(copied), tag="fourth", max_num=3)
+        got["copied_rotated"] = listing(copied)
         # A resume in another shape takes Adam's step as the run's, not that of a parameter which took fewer: a
         # layer frozen but listed in the optimizer has no state at ZeRO 0, so no step.
         steps = {}
@@ -1307,6 +1320,12 @@ def test_a_plain_checkpoint_latest_names_gives_way_to_the_newest_of_this_files(s
 
 def test_a_cuda_generator_state_is_not_handed_to_a_cpu(save_dir_states):
     assert save_dir_states["gpu_rng"] == "no error"
+
+
+def test_checkpoints_go_in_the_order_their_records_were_committed_in_not_by_their_files_times(save_dir_states):
+    """Without latest the newest saved loads, and rotation deletes the oldest saved, whatever the files' times."""
+    assert save_dir_states["copied_newest"] == "third"
+    assert save_dir_states["copied_rotated"] == ["fourth", "latest", "second", "third"]
 
 
 def test_a_resume_in_another_shape_takes_adams_step_as_the_runs_not_a_late_parameters(save_dir_states):
@@ -1992,6 +2011,27 @@ def test_a_failed_save_leaves_no_saving_folder_on_a_node_that_does_not_share_sav
         assert got["node_background_listing"] == [], got
 
 
+def test_prepare_refuses_a_compiled_module_naming_the_engines_own_compile(clean_launch_env):
+    """nanoGPT compiles before wrapping: at ZeRO 3 DeepSpeed then failed at the first forward ('dict' object has no
+    attribute '_in_forward'), below it the checkpoints' names gained "_orig_mod."."""
+    strategy = new_strategy(3, train_batch_size=MICRO * ACCUM)
+    compiled = torch.compile(make_model())  # compiles nothing until its first call
+    for item in ((compiled, strategy.create_optimizer(compiled, lr=LR), None), compiled):
+        with pytest.raises(ValueError, match=r"torch.compile\(\) wrapped: pass the model itself.*engine.compile\(\)"):
+            strategy.prepare(item)
+
+
+def test_adam_offload_with_a_loops_own_optimizer_is_refused_at_prepare_naming_create_optimizer(clean_launch_env):
+    """nanoGPT's configure_optimizers builds torch's AdamW: DeepSpeed refused it inside deepspeed.initialize with
+    advice about ds_config keys the strategy does not expose."""
+    strategy = new_strategy(2, train_batch_size=MICRO * ACCUM, adam_offload=True)
+    model = make_model()
+    with pytest.raises(
+        ValueError, match=r"--adam_offload .* DeepSpeedCPUAdam, and prepare got AdamW.*create_optimizer"
+    ):
+        strategy.prepare((model, torch.optim.AdamW(model.parameters()), None))
+
+
 def test_fp16_is_refused_naming_bf16():
     with pytest.raises(ValueError, match=r"--fp16 True .*--bf16"):
         get_strategy(argparse.Namespace(zero_stage=2, fp16=True))
@@ -2028,6 +2068,22 @@ def test_a_background_save_keeps_one_snapshot_in_buffers_it_reuses_as_large_as_t
     for got in case(quick_run, "background"):
         snapshot = got["snapshot"]
         assert snapshot["reused"] and 0 < snapshot["bytes"] <= snapshot["file_bytes"], snapshot
+        assert 0 < snapshot["after_fewer"] <= snapshot["after_fewer_file_bytes"], snapshot  # shrunk with the state
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_background_saves_checkpoint_holds_the_same_files_and_loads_the_same_objects_as_a_synchronous_one(
+    quick_run, stage
+):
+    for got in case(quick_run, "background"):
+        alike = got[f"alike_{stage}"]
+        foreground, background = alike["client_state"]
+        assert foreground["kinds"]["ema"] == ["Parameter", True], foreground  # torch.save's own semantics
+        assert foreground["same_object"] == [True, True] and foreground["view_shares_storage"], foreground
+        assert background == foreground
+        assert alike["state_difference"] == 0.0, alike
+        assert alike["names"][0] == alike["names"][1], alike["names"]
+        assert alike["files_differing"] == [], alike["files_differing"]
 
 
 def test_a_background_write_that_fails_on_one_rank_raises_on_every_rank_at_the_next_call_and_changes_nothing(
@@ -2054,6 +2110,16 @@ def test_deepspeeds_own_save_while_a_background_save_writes_is_the_callers_and_n
         assert got["ours_after"] == "no error", got["ours_after"]  # its record lists its own files alone
 
 
+def test_a_rank_waiting_for_others_at_a_call_every_rank_must_make_names_them_and_waits_on(quick_run):
+    rank0, rank1 = case(quick_run, "arrivals")
+    assert rank0["late"] == rank1["late"] == "no error"  # a rank that is only slow fails nothing
+    waited = "rank 0 has waited 1 s in save_ckpt for ranks [1]: every rank must call save_ckpt"
+    assert rank0["printed"].count(waited) == 2, rank0["printed"]  # while rank 1 came late, and while it never came
+    assert rank1["printed"] == "", rank1["printed"]
+    assert rank0["alone"].startswith("RuntimeError: save_ckpt: ranks [1] did not call it within 0:00:04"), rank0
+    assert rank0["seconds"] < 30 and rank0["after"] == rank1["after"] == "no error", (rank0, rank1)
+
+
 @pytest.mark.full
 def test_a_background_save_pending_at_exit_without_teardown_is_finished_before_the_process_ends(background_launches):
     exited = background_launches["exit"]
@@ -2061,12 +2127,33 @@ def test_a_background_save_pending_at_exit_without_teardown_is_finished_before_t
     assert exited["loads"] == "no error", exited
 
 
-@pytest.mark.full
-def test_a_background_save_that_fails_as_the_script_ends_is_printed_and_the_processes_exit_with_1(background_launches):
-    failed = background_launches["exit_failed"]
+def test_a_background_save_that_fails_as_the_script_ends_is_printed_and_exits_with_1_after_the_scripts_handlers(
+    ending_launches,
+):
+    failed = ending_launches["exit_failed"]
     assert failed["returncodes"] == [1, 1], failed  # not 0: a scheduler sees the run's last checkpoint missing
     assert all("save_ckpt failed on rank 1 " in output for output in failed["outputs"]), failed["outputs"]
     assert failed["latest"] == "global_step0" and checkpoints(failed["listing"]) == ["global_step0", "latest"], failed
+    # The script's own exit handlers ran (a tracker's final sync), though registered before the save.
+    assert failed["handlers"] == ["trainer_handler_ran_0", "trainer_handler_ran_1"], failed
+
+
+def test_ctrl_c_while_a_call_waits_for_a_background_save_leaves_it_pending_and_the_next_save_waits_for_it(
+    ending_launches,
+):
+    got = ending_launches["signals"]
+    assert all("interrupted" in output for output in got["outputs"]), got["outputs"]  # the signal came in the wait
+    assert got["loads"]["a"] == 0.0 and got["loads"]["b"] == 0.0, got  # each loads the weights at its call
+
+
+def test_a_sigterm_handler_that_exits_while_a_call_waits_ends_the_process_once_the_save_is_committed(
+    ending_launches,
+):
+    got = ending_launches["signals"]
+    assert got["returncodes"] == [143, 143], got  # the handler's exit code, after the save
+    assert not any("saved d" in output for output in got["outputs"]), got["outputs"]
+    assert got["latest"] == "c" and got["loads"]["c"] == 0.0, got
+    assert checkpoints(got["listing"]) == ["a", "b", "c", "latest"], got["listing"]
 
 
 @pytest.mark.full
@@ -3129,7 +3216,10 @@ BENCHMARKS = {  # name: (its smallest setting, a line of its figures)
         ["--layers", "1", "--width", "64", "--repeats", "1"],
         r"load_ckpt ZeRO 3 / DeepSpeed's own load = \d",
     ),
-    "save_cost": (["--layers", "1", "--width", "256", "--repeats", "2"], r"save_ckpt / engine.save_checkpoint: median"),
+    "save_cost": (
+        ["--layers", "1", "--width", "256", "--repeats", "2", "--steps", "2"],
+        r"added to the run, background",
+    ),
     "first_command": (["--variants", "--max_steps 2 --eval_steps 1 --eval_batches 1"], r"\| 2 \| [\d,]+ \| \d+ \| \d"),
     "gpu_check": (["--out", os.devnull], r"checks: \d+ ok, \d+ skipped, 0 failed"),  # on a CPU: the smallest sizes
     "determinism_cost": (
@@ -4890,6 +4980,30 @@ def writes_held():
         release.set()
 
 
+def contents(save_dir, tag):
+    """{file name: (its records but the pickle's, with their CRCs: the storages' bytes; the repr of what loads)} of a
+    checkpoint's files. Two saves of one state hold the same, however each was written (a pickle's bytes may still
+    differ: a string that was one object in the state and two in a copy is pickled twice)."""
+    folder, found = os.path.join(save_dir, tag), {}
+    for name in sorted(os.listdir(folder)):
+        if name != DONE_FILE:
+            with zipfile.ZipFile(os.path.join(folder, name)) as archive:
+                records = [(i.filename, i.CRC) for i in archive.infolist() if i.filename.split("/")[-1] != "data.pkl"]
+            records = [(name, crc) for name, crc in records if not name.endswith("serialization_id")]
+            found[name] = (records, repr(torch.load(os.path.join(folder, name), weights_only=False)))
+    return found
+
+
+def described(client_state):
+    """What a loaded client_state holds, object by object: each value's type, whether it requires grad, and which
+    values are one object or share one storage."""
+    kinds = {key: [type(value).__name__, getattr(value, "requires_grad", None)] for key, value in client_state.items()}
+    base = client_state["base"]
+    same = [client_state["twice"] is base, client_state["nested"][1][0] is base]
+    shares = client_state["view"].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    return dict(kinds=kinds, same_object=same, view_shares_storage=shares, values=repr(client_state))
+
+
 def background_saves(rank, out_dir):
     """Saves in the background on two ranks: the state at the call, training going on meanwhile; the buffers; a
     write failing on rank 1; the flag."""
@@ -4919,7 +5033,7 @@ def background_saves(rank, out_dir):
         fresh, _, _ = prepared(strategy, init_seed=999)
         strategy.load_ckpt(fresh, folder, tag="global_step2")  # waits for the save first
         parameters = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-        snapshot = sum(buffer.numel() * buffer.element_size() for buffer in engine.checkpoint_engine.buffers.values())
+        snapshot = sum(buffer.numel() * buffer.element_size() for buffer in engine.checkpoint_engine.buffers)
         got[f"consistent_{stage}"] = dict(
             bytes_per_parameter=snapshot / parameters,
             listing_at_return=listing,
@@ -4928,16 +5042,47 @@ def background_saves(rank, out_dir):
             steps=fresh.global_steps,
             committed=checkpoints(sorted(os.listdir(folder))),
         )
-    # The snapshot's buffers: one set, reused by the next save, no larger than this rank's files of the checkpoint.
+        # The same state saved in the foreground and in the background: the same files, and the same objects back,
+        # down to what client_state holds (a Parameter, a tensor that requires grad, one tensor under two keys, a
+        # view sharing another's storage, NumPy, Python objects).
+        base = torch.arange(6.0)
+        kept = dict(log_alpha=torch.zeros(1, requires_grad=True), ema=torch.nn.Parameter(torch.ones(3)), base=base)
+        kept.update(twice=base, view=base[2:], array=numpy.arange(3), nested=[{"step": 1}, (base,)])
+        alike = {}
+        for background in (False, True):
+            saved = os.path.join(out_dir, f"alike_{stage}_{background}")
+            strategy.save_ckpt(engine, saved, tag="t", client_state=kept, background=background)
+            fresh, _, _ = prepared(strategy, init_seed=999)
+            _, back = strategy.load_ckpt(fresh, saved)  # waits for the background save
+            alike[background] = dict(state=state(fresh), client_state=described(back), files=contents(saved, "t"))
+        foreground, background = alike[False], alike[True]
+        got[f"alike_{stage}"] = dict(
+            client_state=(foreground["client_state"], background["client_state"]),
+            state_difference=difference(foreground["state"], background["state"]),
+            files_differing=[n for n in foreground["files"] if foreground["files"][n] != background["files"].get(n)],
+            names=(sorted(foreground["files"]), sorted(background["files"])),
+        )
+    # The snapshot's buffers: one set, reused by the next save of the same state, no larger than this rank's files
+    # of the checkpoint.
     writer = engine.checkpoint_engine
-    pointers = [buffer.data_ptr() for buffer in writer.buffers.values()]
+    strategy.save_ckpt(engine, folder, background=True)
+    pointers = [buffer.data_ptr() for buffer in writer.buffers]
     saved = os.path.join(folder, "global_step2")
     file_bytes = sum(os.path.getsize(os.path.join(saved, n)) for n in os.listdir(saved) if saving_rank(n) == rank)
     strategy.save_ckpt(engine, folder, background=True)
     strategy.load_ckpt(engine, folder)  # waits for it
-    reused = [buffer.data_ptr() for buffer in writer.buffers.values()] == pointers
-    got["snapshot"] = dict(reused=reused, bytes=sum(b.numel() * b.element_size() for b in writer.buffers.values()))
+    reused = [buffer.data_ptr() for buffer in writer.buffers] == pointers
+    got["snapshot"] = dict(reused=reused, bytes=sum(b.numel() * b.element_size() for b in writer.buffers))
     got["snapshot"]["file_bytes"] = file_bytes
+    # After a save with more tensors (a replay buffer in client_state), the next save's buffers are its own size.
+    strategy.save_ckpt(engine, folder, background=True, client_state={"replay": torch.zeros(2**21)})  # 8 MiB
+    strategy.save_ckpt(engine, folder, background=True)
+    get_strategy_module.wait_for_save(strategy)
+    saved = os.path.join(folder, f"global_step{engine.global_steps}")
+    got["snapshot"]["after_fewer"] = sum(b.numel() * b.element_size() for b in writer.buffers)
+    got["snapshot"]["after_fewer_file_bytes"] = sum(
+        os.path.getsize(os.path.join(saved, n)) for n in os.listdir(saved) if saving_rank(n) == rank
+    )
     # A write failing on rank 1 (a file-size limit) in the background: the call returns; the next one raises.
     strategy = new_strategy(2)
     engine, optimizer, scheduler = prepared(strategy)
@@ -4977,6 +5122,29 @@ def background_saves(rank, out_dir):
     return got
 
 
+def arrivals(rank, out_dir):
+    """save_ckpt with rank 1 coming 3 s late, then on rank 0 alone (as a loop that saves on rank 0 does), rank 1
+    going on to a barrier; the warning after 1 s, the timeout after 4."""
+    strategy = new_strategy(2)
+    engine, _, _ = prepared(strategy)
+    strategy.timeout, warning = timedelta(seconds=4), get_strategy_module.ARRIVAL_WARNING
+    get_strategy_module.ARRIVAL_WARNING = timedelta(seconds=1)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            if rank == 1:
+                time.sleep(3)
+            late = error_of(strategy.save_ckpt, engine, os.path.join(out_dir, "arrivals_late"))
+            started_at = time.perf_counter()
+            alone = error_of(strategy.save_ckpt, engine, os.path.join(out_dir, "arrivals_alone")) if rank == 0 else ""
+            seconds = time.perf_counter() - started_at
+        dist.barrier()
+        after = error_of(strategy.save_ckpt, engine, os.path.join(out_dir, "arrivals_after"))  # every rank again
+    finally:
+        get_strategy_module.ARRIVAL_WARNING = warning
+    return dict(late=late, alone=alone, seconds=seconds, printed=printed.getvalue(), after=after)
+
+
 def run_background_exit(out_dir):
     """A background save still writing when the script ends, without teardown(), as OpenRLHF's trainers end."""
     strategy = new_strategy(2)
@@ -4999,11 +5167,96 @@ def run_background_exit_failed(out_dir):
     engine, optimizer, scheduler = prepared(strategy)
     train(strategy, engine, optimizer, scheduler, iter(strategy.setup_dataloader(make_dataset(), MICRO)), 1)
     strategy.save_ckpt(engine, os.path.join(out_dir, "ckpt"), tag="global_step0")  # written, committed
+    atexit.register(Path(out_dir, f"trainer_handler_ran_{strategy.get_rank()}").touch)  # a tracker's final sync
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if strategy.get_rank() == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     strategy.save_ckpt(engine, os.path.join(out_dir, "ckpt"), background=True)
     sys.exit(0)
+
+
+def run_background_signals(out_dir):
+    """Signals landing while a call waits for a background save, the disk slowed (the test sends each to both ranks
+    once both print "waiting"): SIGINT, after which the script saves again, as trainers do on KeyboardInterrupt;
+    then SIGTERM under a handler that exits, as preemption handlers do, without teardown(). The weights at each
+    call are written beside, for the test to compare with what loads."""
+    strategy = new_strategy(2)
+    rank = strategy.get_rank()
+    engine, optimizer, scheduler = prepared(strategy)
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO))
+    ckpt, fsync = os.path.join(out_dir, "ckpt"), get_strategy_module.fsync
+
+    def slowly(path):  # a slow disk: the background save is still writing when the signal comes
+        time.sleep(1)
+        fsync(path)
+
+    def save(tag, **kwargs):
+        if rank == 0:
+            torch.save(full_state(engine), os.path.join(out_dir, f"{tag}.pt"))
+        strategy.save_ckpt(engine, ckpt, tag=tag, **kwargs)
+
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    get_strategy_module.fsync = slowly
+    save("a", background=True)
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    print("waiting", flush=True)
+    try:
+        save("b")  # waits for "a": SIGINT comes now
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        save("b")  # the emergency save
+    get_strategy_module.fsync = fsync
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    get_strategy_module.fsync = slowly
+    save("c", background=True)
+    train(strategy, engine, optimizer, scheduler, batches, 1)
+    print("waiting", flush=True)
+    save("d")  # waits for "c": SIGTERM comes now
+    print("saved d, though SIGTERM came", flush=True)
+
+
+def by_hand(worker, out, signals=()):
+    """(return codes, outputs) of two ranks of this file's worker started by hand (a launcher would stop the other
+    rank as soon as one ended); each time both have printed "waiting", the next of signals goes to both."""
+    port, processes, outputs = str(free_port()), [], [[], []]
+    for rank in range(2):
+        env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        processes.append(started([PYTHON, "test_get_strategy.py", "--worker", worker, str(out)], env))
+
+    def read(process, lines):
+        for line in process.stdout:
+            lines.append(line)
+
+    readers = [threading.Thread(target=read, args=pair) for pair in zip(processes, outputs)]
+    for reader in readers:
+        reader.start()
+    for count, signum in enumerate(signals, 1):
+        deadline = time.time() + 120
+        while any(lines.count("waiting\n") < count for lines in outputs) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside the wait
+        for process in processes:
+            process.send_signal(signum)
+    for process in processes:
+        process.wait(timeout=300)
+    for reader in readers:
+        reader.join()
+    return [process.returncode for process in processes], ["".join(lines) for lines in outputs]
+
+
+def loaded_weights_against(out, ckpt, tags):
+    """{tag: the largest difference between the weights a one-rank engine loads from ckpt's tag and those saved
+    beside as <tag>.pt}."""
+    differences = {}
+    with in_this_process():
+        strategy = new_strategy(2, train_batch_size=MICRO * ACCUM)
+        for tag in tags:
+            engine, _, _ = prepared(strategy, init_seed=999)
+            strategy.load_ckpt(engine, str(ckpt), tag=tag)
+            expected = torch.load(out / f"{tag}.pt", weights_only=True)
+            differences[tag] = max((full_state(engine)[n] - t).abs().max().item() for n, t in expected.items())
+    return differences
 
 
 def run_background_killed(out_dir):
@@ -5026,30 +5279,39 @@ def run_background_killed(out_dir):
 
 @pytest.fixture(scope="module")
 def background_launches(tmp_path_factory):
-    """The two launches of a background save meeting the end of a process: two ranks started by hand (a launcher
-    would stop rank 0 as soon as rank 1 died)."""
+    """Background saves meeting the end of a process."""
     got = {}
-    for worker in ("exit", "exit_failed", "killed"):
-        out, port = tmp_path_factory.mktemp(f"background_{worker}"), str(free_port())
-        processes = []
-        for rank in range(2):
-            env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            cmd = [PYTHON, "test_get_strategy.py", "--worker", f"background_{worker}", str(out)]
-            processes.append(started(cmd, env))
-        outputs = [process.communicate(timeout=300)[0] for process in processes]
+    for worker in ("exit", "killed"):
+        out = tmp_path_factory.mktemp(f"background_{worker}")
+        returncodes, outputs = by_hand(f"background_{worker}", out)
         ckpt = out / "ckpt"
         got[worker] = dict(outputs=outputs, listing=sorted(os.listdir(ckpt)), latest=(ckpt / "latest").read_text())
-        got[worker]["returncodes"] = [process.returncode for process in processes]
-        got[worker]["rank1_returncode"] = processes[1].returncode
+        got[worker]["rank1_returncode"] = returncodes[1]
         if worker == "killed":
             got[worker].update(json.loads(outputs[0].strip().splitlines()[-1]))
-        elif worker == "exit":
+        else:
             got[worker]["record"] = (ckpt / "global_step1" / DONE_FILE).is_file()
             with in_this_process():
                 strategy = new_strategy(2, train_batch_size=MICRO * ACCUM)
                 engine, _, _ = prepared(strategy, init_seed=999)
                 got[worker]["loads"] = error_of(strategy.load_ckpt, engine, str(ckpt))
     return got
+
+
+@pytest.fixture(scope="module")
+def ending_launches(tmp_path_factory):
+    """The quick tier's background saves meeting a signal, and a failed one the end of the process."""
+    out = tmp_path_factory.mktemp("background_signals")
+    returncodes, outputs = by_hand("background_signals", out, signals=(signal.SIGINT, signal.SIGTERM))
+    ckpt = out / "ckpt"
+    signals = dict(returncodes=returncodes, outputs=outputs, listing=sorted(os.listdir(ckpt)))
+    signals.update(latest=(ckpt / "latest").read_text(), loads=loaded_weights_against(out, ckpt, ("a", "b", "c")))
+    out = tmp_path_factory.mktemp("background_exit_failed")
+    returncodes, outputs = by_hand("background_exit_failed", out)
+    ckpt = out / "ckpt"
+    failed = dict(returncodes=returncodes, outputs=outputs, listing=sorted(os.listdir(ckpt)))
+    failed.update(latest=(ckpt / "latest").read_text(), handlers=sorted(p.name for p in out.glob("trainer_handler_*")))
+    return dict(signals=signals, exit_failed=failed)
 
 
 def flip_a_bit_in_the_largest_tensor(path, info=None):
@@ -5119,6 +5381,7 @@ def run_quick(out_dir):
     cases.update(damaged=partial(damaged, rank, out_dir), save_failures=partial(save_failures, rank, out_dir))
     cases["own"] = partial(own_resumes, rank, out_dir)
     cases["background"] = partial(background_saves, rank, out_dir)
+    cases["arrivals"] = partial(arrivals, rank, out_dir)
     cases["load_corners"] = partial(load_corners, rank, out_dir)  # last: on 0.20.0 case c aborted the launch
     run_cases(cases, out_dir)
 
@@ -5298,7 +5561,7 @@ if __name__ == "__main__":
     workers.update(reshape_save3=run_reshape_save3, reshape_resume3=run_reshape_resume3, loader_alone=run_loader_alone)
     workers.update(rendezvous=run_rendezvous, mismatch=run_mismatch)
     workers.update(background_exit=run_background_exit, background_killed=run_background_killed)
-    workers["background_exit_failed"] = run_background_exit_failed
+    workers.update(background_exit_failed=run_background_exit_failed, background_signals=run_background_signals)
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", choices=workers, required=True)
     parser.add_argument("folders", nargs="*")

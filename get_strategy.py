@@ -26,15 +26,15 @@ Batch sizes, as DeepSpeed counts them: train_batch_size = micro_train_batch_size
 accumulated_gradient. A micro-batch is what one rank puts through one forward and backward pass; the
 train_batch_size samples of all ranks and accumulation steps make one optimizer step.
 
-The file has two parts. The first trains, with DeepSpeed (and a few hooks OpenRLHF's trainers call, each marked): the
-flags' defaults, get_strategy(), and the strategy's set-up, ds_config, prepare, backward and step, collectives and data
-loading. The second, after the line that says a learner can stop reading, serves OpenRLHF's trainers and keeps a run
-alive for days: checkpoints that resume exactly, in any run shape, and model weights.
+The file has two parts. The first trains, with DeepSpeed: the flags' defaults, get_strategy(), and the strategy's
+set-up, ds_config, prepare, backward and step, collectives and data loading. The second, after the line that says a
+learner can stop reading, serves OpenRLHF's trainers and keeps a run alive for days: checkpoints, in any run shape.
 
-The ZeRO stages say what each rank keeps of the training state. Stage 0: everything (plain data parallelism).
-Stage 1: the whole model and gradients, but only its 1/world_size share of the optimizer state (Adam's fp32
-master weights and moments). Stage 2: also only its share of the gradients. Stage 3: also only its share of the
-weights, gathering each layer's full weights just while the layer runs.
+The ZeRO stages say what each of N ranks keeps of the training state, in bytes per parameter with Adam in mixed
+precision (a 16-bit weight 2, its gradient 2, Adam's fp32 master and two moments 12; benchmarks/memory_by_stage.py
+measures it). Stage 0, plain data parallelism: everything, 16. Stage 1: its 1/N share of the optimizer state, 4 + 12/N.
+Stage 2: also of the gradients, 2 + 14/N. Stage 3: also of the weights, 16/N, gathering each layer's full weights
+just while the layer runs. Activations come on top, at every stage.
 """
 
 import atexit
@@ -101,7 +101,7 @@ def get_strategy(args) -> "DeepspeedStrategy":
     """Build the strategy from a trainer's flags (an argparse.Namespace, or any object with attributes): the one
     place flags are read. A flag missing from args takes its default from the block above, except --zero_stage,
     which every run must choose."""
-    openrlhf = openrlhf_flags(args)  # OpenRLHF's names for these flags, and what it asks that this file leaves out
+    openrlhf = openrlhf_flags(args)  # OpenRLHF's names for flags, and what it asks for that is left out (part 2)
     if getattr(args, "zero_stage", None) is None:
         fix = "add parser.add_argument('--zero_stage', type=int, choices=[0, 1, 2, 3]) and run with --zero_stage 2"
         raise ValueError(f"--zero_stage is required: {fix}")
@@ -187,16 +187,18 @@ class DeepspeedStrategy:
 
         self.args = args  # the trainer's own flags, kept for trainers that read strategy.args
         # The flags, under their names (the ZeRO stage as stage, which OpenRLHF's trainers read).
-        self.seed, self.full_determinism, self.max_norm, self.stage = seed, full_determinism, max_norm, zero_stage
+        self.seed, self.full_determinism, self.max_norm = seed, full_determinism, max_norm
+        self.stage, self.bf16, self.adam_offload = zero_stage, bf16, adam_offload
         self.micro_train_batch_size, self.train_batch_size = micro_train_batch_size, train_batch_size
-        self.bf16, self.adam_offload, self.overlap_comm = bf16, adam_offload, overlap_comm
-        # local_rank: setup_distributed() replaces -1 with the launcher's value.
-        self.grad_accum_dtype, self.background_save, self.local_rank = grad_accum_dtype, background_save, local_rank
-        self.pending_save = self.save_group = None  # a background save_ckpt in flight, and its process group
+        self.overlap_comm, self.grad_accum_dtype = overlap_comm, grad_accum_dtype
+        self.background_save = background_save
+        self.local_rank = local_rank  # setup_distributed() replaces -1 with the launcher's value
         # Known after setup_distributed(): the world size, and the micro-steps per optimizer step.
-        self.world_size = self.accumulated_gradient = None
+        self.world_size, self.accumulated_gradient = None, None
+        self.pending_save = None  # a background save_ckpt in flight (the second part's BackgroundSave)
+        self.save_group = None  # the process group of background saves, made at the first
         self.is_rlhf = False  # set by prepare(); OpenRLHF's trainers read it
-        self._ema_calls = 0  # moving_average() updates on every accumulated_gradient-th call
+        self.ema_calls = 0  # moving_average()'s (update_ema counts them)
 
     # ---------------------------------------------------------------------------------------------------------
     # Seeding and distributed set-up
@@ -310,7 +312,11 @@ class DeepspeedStrategy:
             gc.collect()
 
     # ---------------------------------------------------------------------------------------------------------
-    # DeepSpeed configuration: the ds_config dict deepspeed.initialize() reads
+    # DeepSpeed configuration: the ds_config dict deepspeed.initialize() reads. Left at DeepSpeed's defaults, and the
+    # first knobs to tune: the buckets ZeRO 1-2 reduce gradients in (reduce_bucket_size, allgather_bucket_size: 5e8
+    # elements; smaller saves memory, larger overlaps better), ZeRO 3's stage3_param_persistence_threshold (1e5
+    # elements: smaller parameters stay whole on every rank) and stage3_prefetch_bucket_size (gathered ahead of the
+    # forward). They trade memory for speed on one model and network; no value suits every run, so none is written.
 
     def get_ds_train_config(self, is_actor: bool = False) -> dict:
         """The ds_config of a model that trains. is_actor is accepted for OpenRLHF's callers and changes nothing."""
@@ -353,8 +359,16 @@ class DeepspeedStrategy:
         }
 
     # ---------------------------------------------------------------------------------------------------------
-    # Optimizer, prepare, backward and step. prepare() wraps a model in a DeepSpeedEngine, which holds the module
-    # (engine.module) and runs its forward, backward and step. OpenRLHF's trainers pass an "Actor" instead: a module
+    # Optimizer, prepare, backward and step. prepare() wraps a model in a DeepSpeedEngine: deepspeed.initialize()
+    # returns (engine, optimizer, training dataloader, scheduler), the optimizer DeepSpeed's wrapper around yours
+    # (at ZeRO 1-3 it keeps the fp32 masters and the rank's shards) and no dataloader unless given data. The engine
+    # is a torch.nn.Module holding yours (engine.module): calling it runs your forward (at ZeRO 3 gathering each
+    # layer's weights just before it runs), engine.train() and engine.eval() switch your module's mode, and its
+    # backward() and step() replace loss.backward() and optimizer.step(). A model too large for one device is built
+    # already sharded, under `with deepspeed.zero.Init(config_dict_or_path=strategy.get_ds_train_config()):`, as
+    # Hugging Face's from_pretrained does at ZeRO 3; create_optimizer and prepare take it as it is.
+    #
+    # OpenRLHF's trainers pass an "Actor" instead: a module
     # keeping the model it trains in its `model` attribute, where prepare() puts the engine (in_actor). So a method
     # reaches the engine through engine_of(model) (the engine, or an Actor's), and its module through
     # _unwrap_model(model); both functions are in the part "OpenRLHF's contracts", after the learner's part.
@@ -586,14 +600,8 @@ class DeepspeedStrategy:
     ring_attn_group = None  # ring attention's process group; OpenRLHF's models read None as "no ring attention"
 
     def moving_average(self, model, model_ema, beta: float = 0.992, device="cpu") -> None:
-        """OpenRLHF PPO's --enable_ema, called after optimizer_step: on every accumulated_gradient-th call (once per
-        optimizer step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta)
-        * that counterpart, computed on device ("cuda", which OpenRLHF passes on any machine: this rank's
-        accelerator). All ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
-        self._require_process_group("moving_average")
-        self._ema_calls += 1
-        if self._ema_calls % self.accumulated_gradient == 0:
-            update_ema(self._unwrap_model(model), self._unwrap_model(model_ema), beta, device)
+        """OpenRLHF PPO's --enable_ema (update_ema, in the part "OpenRLHF's contracts", says what it computes)."""
+        update_ema(self, model, model_ema, beta, device)
 
     # ---------------------------------------------------------------------------------------------------------
     # Data: each rank's shard of a dataset, through the two classes after this one
@@ -615,9 +623,9 @@ class DeepspeedStrategy:
         whole epoch or more leaves it empty); each later pass is the next epoch. The sampler is the class just below:
         loader.sampler.set_epoch(epoch, consumed_samples) starts an epoch part-way, as a resume past epoch 0 needs.
         The loader is a StatefulDataLoader (the class after it), a DataLoader with state_dict() and load_state_dict()
-        to resume mid-epoch, as OpenRLHF's PPO does. num_workers > 0
-        loads in that many processes, in the same order; but a dataset drawing random numbers itself (augmentation)
-        draws others after a resume with workers, which torch seeds once per pass: there keep num_workers=0."""
+        to resume mid-epoch, as OpenRLHF's PPO does. num_workers > 0 loads in that many processes, in the same order;
+        but a dataset drawing random numbers itself (augmentation) draws others after a resume with workers, which
+        torch seeds once per pass: there keep num_workers=0."""
         if sampler is not None and not isinstance(sampler, DistributedSampler):
             why = "the loader resumes mid-epoch (state_dict) through get_strategy's DistributedSampler alone"
             raise ValueError(f"setup_dataloader sampler {type(sampler).__name__} is not get_strategy's: {why}")
@@ -689,8 +697,11 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
 
 
 # ============================================ A learner can stop reading here: everything above trains. ========
-# The second part: OpenRLHF's contracts, then checkpoints and model weights, what a run needs to survive being
-# stopped, moved and restarted.
+# What crosses this line: save_ckpt, load_ckpt, save_model, load_model and teardown hand their work to the checkpoint
+# part below (teardown waits for a background save there), and prepare reaches a model through an OpenRLHF Actor
+# (engine_of, in_actor) and refuses what DeepSpeed would take wrongly (refuse_what_prepare_cannot_wrap), all defined
+# below; a plain module passes through them unchanged. The second part: OpenRLHF's contracts, then checkpoints and
+# model weights, what a run needs to survive being stopped, moved and restarted.
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -769,9 +780,17 @@ def refuse_what_prepare_cannot_wrap(model, optimizer=None, adam_offload=False) -
         raise ValueError(f"{why}: {fix}, or drop --adam_offload")
 
 
-def update_ema(module, ema_module, beta: float, device) -> None:
-    """moving_average's update (its docstring says what it computes), one pair of weights gathered at a time."""
+def update_ema(strategy, model, model_ema, beta: float, device) -> None:
+    """strategy.moving_average(), called after optimizer_step: on every accumulated_gradient-th call (once per
+    optimizer step) each weight of model_ema whose counterpart in model trains becomes beta * itself + (1 - beta) *
+    that counterpart, computed on device ("cuda", which OpenRLHF passes on any machine: this rank's accelerator). All
+    ranks must call it; at ZeRO 3 it gathers one pair of weights at a time."""
+    strategy._require_process_group("moving_average")
+    strategy.ema_calls += 1
+    if strategy.ema_calls % strategy.accumulated_gradient:
+        return
     device = get_accelerator().current_device_name() if device == "cuda" else device
+    module, ema_module = strategy._unwrap_model(model), strategy._unwrap_model(model_ema)
     for param, ema in zip(module.parameters(), ema_module.parameters(), strict=True):
         # Below ZeRO 3 the gathers do nothing. At ZeRO 3 the EMA weight's gather (modifier_rank=0) writes rank 0's
         # new value back into every rank's shard as it exits.
@@ -793,37 +812,39 @@ def update_ema(module, ema_module, beta: float, device) -> None:
 #     slices each rank's optimizer file holds, the metric, and every file's size and content. A folder is a
 #     checkpoint once its record is there, not before.
 #
-# Every entry a save_dir can hold, and what loading (with tag=None), saving and rotation do with it. A save or a
-# delete changes one entry at a time, by one rename or one record, so wherever it is cut short (a crash, a power
-# cut) save_dir holds rows of this table and nothing else. A save first settles the rows marked *: renames a
-# committed <tag>.saving to <tag>, deletes the others. In the rotation column, "-" is a row a save has settled.
+# The table: every entry a save_dir can hold, and what load_ckpt(tag=None), save_ckpt and rotation do with it. A
+# save or a delete changes one entry at a time, by one rename or one record, so wherever it is cut short (a crash, a
+# power cut) save_dir holds rows of this table and nothing else. The rows marked * are working entries: every save
+# starts by settling them (step 1 below), so the rotation that ends a save never meets one.
 #
 #     entry in save_dir                what it is                          load_ckpt(tag=None)  save_ckpt    rotation
 #     <tag>/ with a record             checkpoint <tag>                    a candidate          replaces it  deletes it
-#   * <tag>.saving/ with a record      checkpoint <tag>, newer than a      a candidate, as      renames it   -
+#   * <tag>.saving/ with a record      checkpoint <tag>, newer than a      a candidate, as      renames it   (settled)
 #                                      <tag>/ (cut short before renaming)  <tag>                to <tag>
-#   * <tag>.saving/ without a record   a save cut short, or under way      ignored              deletes it   -
-#                                      (a background one's thread writes)
-#   * <name>.deleting/                 a delete cut short                  ignored              deletes it   -
+#   * <tag>.saving/ without a record   a save cut short, or under way      ignored              deletes it   (settled)
+#                                      (a background save's thread writes)
+#   * <name>.deleting/                 a delete cut short                  ignored              deletes it   (settled)
 #     <tag>/ without a record          not this file's: a plain DeepSpeed  refused by name, if  refuses it   never
 #                                      checkpoint, a folder of yours       no checkpoint is
 #     a link, anything else            not this file's to change           a candidate if it    refuses it   never
 #                                                                          links to one
 #     latest (a file)                  the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
-#     latest.tmp (a file)              a write of latest cut short         ignored              replaces it  -
+#     latest.tmp (a file)              a write of latest cut short         ignored              replaces it  (settled)
 #
-# A save deletes or renames only folders holding checkpoint files alone (CHECKPOINT_FILES), never a link, and a
-# delete renames the folder to <name>.deleting before removing its files. Saving, in order (Checkpoints.save):
-#   1. rank 0 clears the rows marked *, and refuses a tag whose folder is not a checkpoint and a save_dir whose
-#      newest checkpoint holds another model; every rank writes its files into <tag>.saving and makes them durable
-#      (fsync), noting a failed write instead of raising it, and the ranks agree on whether any failed. With
-#      background, save_ckpt returns once each rank has copied its files' state into CPU memory, and the rest of
-#      the steps, the writes included, are its thread's (BackgroundSave);
-#   2. rank 0 writes the record into <tag>.saving, then latest: the save is committed. A failure up to here leaves
-#      the previous checkpoint and latest as they were;
-#   3. rank 0 renames an older <tag> to <tag>.deleting, <tag>.saving to <tag>, removes <tag>.deleting, then
+# A save deletes or renames only folders holding checkpoint files alone (CHECKPOINT_FILES), never a link; a delete
+# renames the folder to <name>.deleting, then removes its files. Saving, step by step (Checkpoints.save):
+#   1. rank 0 settles the rows marked * (a committed <tag>.saving renamed to <tag>, the others deleted), refuses a tag
+#      whose folder is not a checkpoint and a save_dir whose newest checkpoint holds another model, and makes
+#      <tag>.saving;
+#   2. every rank writes its files into <tag>.saving and makes them durable (fsync), noting a failed write instead of
+#      raising it (OwnFiles); with background, it copies their state into CPU memory instead, save_ckpt returns, and
+#      the steps from here on, the writes included, are its thread's (BackgroundSave);
+#   3. the ranks agree on whether any write failed;
+#   4. rank 0 writes the record into <tag>.saving, then latest: the save is committed. A failure up to here leaves
+#      the previous checkpoint and latest as they were, and every rank removes <tag>.saving;
+#   5. rank 0 renames an older <tag> to <tag>.deleting and <tag>.saving to <tag>, removes <tag>.deleting, then
 #      rotates; a failure here is a warning.
-# Loading, in order (Checkpoints.load): rank 0 chooses the checkpoint and reads its record, for every rank; each
+# Loading, step by step (Checkpoints.load): rank 0 chooses the checkpoint and reads its record, for every rank; each
 # rank checks its share of the files, and the ranks agree; another model is refused; each rank reads the slices it
 # will hold from the files holding them, in any run shape (ReshapingReader, the file's last part), each checked by
 # its size and records first; the generators. A save_ckpt, load_ckpt, save_model, load_model or teardown first waits
@@ -992,20 +1013,23 @@ class OwnFiles:
         storage come back as a synchronous save's do."""
         indexes = {}  # a storage's identity (_cdata, as torch.save keys it) -> its copy's index
 
-        def persistent_id(value):  # a storage pickles as its copy's index; anything else as pickle does
-            if isinstance(value, torch.storage.TypedStorage):  # how a tensor pickles its storage
-                value, dtype = value._untyped_storage, value.dtype
-            elif isinstance(value, torch.UntypedStorage):  # how the newest dtypes' tensors pickle theirs
-                dtype = None
-            else:
+        def persistent_id(value):  # a storage pickles as its copy's index and its dtype; anything else as pickle does
+            if not isinstance(value, (torch.storage.TypedStorage, torch.UntypedStorage)):
                 return None
-            if value._cdata not in indexes:
-                indexes[value._cdata] = self.copy(value)
-            return indexes[value._cdata], dtype
+            typed = isinstance(value, torch.storage.TypedStorage)  # a tensor's storage, but for the newest dtypes'
+            storage = value._untyped_storage if typed else value
+            if storage._cdata not in indexes:
+                indexes[storage._cdata] = self.copy(storage)
+            return indexes[storage._cdata], value.dtype if typed else None
 
-        def persistent_load(saved):
-            copy, dtype = self.copies[saved[0]].untyped_storage(), saved[1]
-            return copy if dtype is None else torch.storage.TypedStorage(wrap_storage=copy, dtype=dtype, _internal=True)
+        def persistent_load(saved):  # the copy, typed as the original was
+            index, dtype = saved
+            copied = self.copies[index].untyped_storage()
+            return (
+                copied
+                if dtype is None
+                else torch.storage.TypedStorage(wrap_storage=copied, dtype=dtype, _internal=True)
+            )
 
         pickled = io.BytesIO()
         pickler = pickle.Pickler(pickled)
@@ -1081,9 +1105,10 @@ class BackgroundSave(threading.Thread):
 
     unseen = []  # the failed saves no call has raised yet, for the interpreter's exit
 
-    def __init__(self, finish, tag, rank):
+    def __init__(self, finish, group, tag, rank):
         super().__init__(name=f"save_ckpt {tag}")
-        self.finish, self.tag, self.rank, self.problem = finish, tag, rank, None
+        self.finish, self.group, self.tag, self.rank = finish, group, tag, rank
+        self.problem = None  # what failed, once run() ends
         # Set as the thread's work ends. A wait waits for it, not in Thread.join(): in Python 3.11 an exception
         # that leaves join() (Ctrl-C's KeyboardInterrupt, a signal handler's) marks the running thread stopped, so
         # that no later join() and not the interpreter's exit waits for it (bpo-45274's handler).
@@ -1093,7 +1118,7 @@ class BackgroundSave(threading.Thread):
         if sys.platform == "linux":
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
-            self.problem = self.finish()
+            self.problem = self.finish(self.group)
         except Exception as error:  # the group failed: a rank died, or did not answer within the group's timeout
             self.problem = f"save_ckpt of {self.tag} failed in the background on rank {self.rank}: {error!r}"
         if self.problem:
@@ -1115,27 +1140,23 @@ def every_rank_arrives(strategy, call: str) -> None:
     connection, which other threads share, until it ends."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     ARRIVALS[call] = ARRIVALS.get(call, 0) + 1
-    key = f"get_strategy/{call}/{ARRIVALS[call]}"
-    store.append(key, f"{rank},")
+    key, started, warned = f"get_strategy/{call}/{ARRIVALS[call]}", time.monotonic(), False
+    store.append(key, f"{dist.get_rank()},")
     rule = f"every rank must call {call}, and at ZeRO 3 run every forward pass (a call on rank 0 alone waits here)"
-    started, pause, warned = time.monotonic(), 0.001, False
     while True:
-        arrived = {int(r) for r in store.get(key).decode().split(",") if r}  # "0,1,": ranks 0 and 1
-        if len(arrived) == world_size:
+        arrived = {int(rank) for rank in store.get(key).decode().split(",") if rank}  # "0,1,": ranks 0 and 1
+        missing, waited = sorted(set(range(world_size)) - arrived), time.monotonic() - started
+        if not missing:
             return
-        waited, missing = time.monotonic() - started, sorted(set(range(world_size)) - arrived)
         if waited > strategy.timeout.total_seconds():
             ARRIVALS[call] -= 1  # it raised before it did anything: as if never made
             raise RuntimeError(f"{call}: ranks {missing} did not call it within {strategy.timeout}: {rule}")
         if waited > ARRIVAL_WARNING.total_seconds() and not warned:
-            print(
-                f"rank {rank} has waited {waited:.0f} s in {call} for ranks {missing}: {rule}; waiting on", flush=True
-            )
+            print(f"rank {dist.get_rank()} has waited {waited:.0f} s in {call} for ranks {missing}: {rule}", flush=True)
             warned = True
-        time.sleep(pause)
-        pause = min(1.0, pause * 2)  # soon for ranks a moment apart, then once a second
+        time.sleep(min(1.0, max(0.001, waited / 2)))  # soon for ranks a moment apart, then once a second
 
 
 def wait_for_save(strategy) -> None:
@@ -1206,6 +1227,7 @@ class Checkpoints:
         DeepSpeed's own, and another model's save into this save_dir are refused on every rank before anything is
         written. Not covered: an exception inside DeepSpeed's own save before its last barrier (out of memory in
         the optimizer's state_dict()) leaves the other ranks waiting there."""
+        # Refused on every rank before anything is written: a refusal on one rank alone would leave the others waiting.
         if not _is_int(max_num) or max_num < 1:
             raise ValueError(f"save_ckpt max_num {max_num!r} must be a whole number >= 1")
         if not (_is_number(max_mem) and max_mem > 0):  # NaN too
@@ -1217,52 +1239,44 @@ class Checkpoints:
         if reserved and not problem:  # DeepSpeed merges client_state into its own entries, overwriting them
             problem = f"save_ckpt client_state key {reserved[0]!r} is one of DeepSpeed's own entries: rename it"
         tag = str(tag) if tag is not None or problem else f"global_step{self.engine.global_steps}"
-        # On every rank, before anything is written: a refusal on one rank alone would leave the others waiting.
         self._raise_on_every_rank(problem or self._tag_problem(tag, "save_ckpt"), ValueError)
-        problem = self._start(save_dir, tag, save_latest) if self.rank == 0 else None
-        self._raise_on_every_rank(problem, RuntimeError)  # also makes every rank wait for the folder
+        # Step 1, on rank 0; raised on every rank, which it also makes wait for the folder.
+        self._raise_on_every_rank(self._start(save_dir, tag, save_latest) if self.rank == 0 else None, RuntimeError)
         record = self._record(metric)  # what the record says besides the files, taken with the state
-        files = self._save_own_files(save_dir, tag, client_state, background)
+        files = self._save_own_files(save_dir, tag, client_state, background)  # step 2
 
-        def finish(group):  # the rest, over group (None: the training's process group)
-            options = dict(save_latest=save_latest, max_num=max_num, max_mem=max_mem, group=group)
-            return self._finish(files, save_dir, tag, record, **options)
+        def finish(group):
+            """Steps 2 (with background, the writes), 3, 4 and 5, over group (collectives; None: the training's
+            process group). Returns None, or what failed, the same on every rank."""
+            every_rank = [None] * self.world_size
+            dist.all_gather_object(every_rank, files.write_queued(), group=group)
+            problem = next((failed for failed, _ in every_rank if failed), None)
+            if problem is None and self.rank == 0:  # one writer for every shared file
+                written = {name: spec for _, specs in every_rank for name, spec in specs.items()}
+                problem = self._commit(save_dir, tag, save_latest, record, written)
+            problem = self._first_of_ranks(problem, group)
+            if problem:  # nothing is committed (a record _commit wrote, it removed): every rank gives the space back
+                shutil.rmtree(files.staging, ignore_errors=True)  # also where its node has a save_dir of its own
+            elif self.rank == 0:  # committed: a failure from here on loses nothing, and the next save finishes the work
+                try:
+                    self._rename_over(save_dir, tag)
+                    self._rotate(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
+                except Exception as error:  # any error: raised here, it would leave the other ranks waiting
+                    self.print(f"warning: {tag} is saved in {save_dir}, but tidying up after it failed: {error!r}")
+            # Every rank waits here, on both paths: after a commit no rank reads save_dir while rank 0 still renames
+            # in it; after a failure every rank has removed what it could before any raises.
+            dist.barrier(group=group)
+            return problem
 
-        if not background:
+        if background:  # a thread of this rank's own finishes it, over the strategy's own gloo group
+            if self.strategy.save_group is None:  # a collective of every rank, on the calling thread
+                self.strategy.save_group = dist.new_group(backend="gloo", timeout=self.strategy.timeout)
+            self.strategy.pending_save = BackgroundSave(finish, self.strategy.save_group, tag, self.rank)
+            self.strategy.pending_save.start()
+        else:
             problem = finish(group=None)
             if problem:
                 raise RuntimeError(problem)
-            return
-        if self.strategy.save_group is None:  # a collective of every rank, on the calling thread
-            self.strategy.save_group = dist.new_group(backend="gloo", timeout=self.strategy.timeout)
-        group = self.strategy.save_group
-        self.strategy.pending_save = BackgroundSave(lambda: finish(group), tag, self.rank)
-        self.strategy.pending_save.start()
-
-    def _finish(self, files, save_dir, tag, record, *, save_latest, max_num, max_mem, group):
-        """Steps 1 to 3 once every rank's files are written or copied: the writes of a background save, the ranks'
-        agreement over group (collectives), rank 0's commit, and on a failure the removal of what the save made;
-        then rank 0 renames and rotates. Returns None, or what failed, as every rank sees it."""
-        staging = os.path.join(save_dir, tag + STAGING)
-        every_rank = [None] * self.world_size
-        dist.all_gather_object(every_rank, files.write_queued(), group=group)
-        problem = next((failed for failed, _ in every_rank if failed), None)
-        if problem is None and self.rank == 0:  # one writer for every shared file
-            written = {name: spec for _, specs in every_rank for name, spec in specs.items()}
-            problem = self._commit(save_dir, tag, save_latest, record, written)
-        problem = self._first_of_ranks(problem, group)
-        if problem:  # nothing is committed (a record _commit wrote, it removed): give the space back
-            shutil.rmtree(staging, ignore_errors=True)  # each rank, also where its node has a save_dir of its own
-        elif self.rank == 0:  # committed: a failure from here on loses nothing, and the next save finishes the work
-            try:
-                self._rename_over(save_dir, tag)
-                self._rotate(save_dir, max_num=max_num, max_bytes=max_mem * 1024**3, keep=tag)
-            except Exception as error:  # any error: raised here, it would leave the other ranks waiting
-                self.print(f"warning: {tag} is saved in {save_dir}, but tidying up after it failed: {error!r}")
-        # Every rank waits here, on both paths: after a commit no rank reads save_dir while rank 0 still renames
-        # in it; after a failure every rank has removed what it could before any raises.
-        dist.barrier(group=group)
-        return problem
 
     def _metric(self, value, key):
         """(the record's {"key", "value"} for a metric_value, or None; why the save is refused, or None). Any
@@ -1333,10 +1347,11 @@ class Checkpoints:
             found = list(self._checkpoints(save_dir).values())  # oldest first
             newest = (self._read_record(os.path.join(save_dir, found[-1])) or {}) if found else {}
             self.sequence = newest.get("sequence", 0) + 1  # one after the newest's, for the record (_commit)
-            where = f"{save_dir}'s newest checkpoint, {found[-1] if found else None},"
-            mismatch = "tensors" in newest and self._model_mismatch(
-                newest["tensors"], self._tensor_shapes(self.module), where
+            where, here = (
+                f"{save_dir}'s newest checkpoint, {found[-1] if found else None},",
+                self._tensor_shapes(self.module),
             )
+            mismatch = "tensors" in newest and self._model_mismatch(newest["tensors"], here, where)
             if mismatch:
                 fix = "save each model in a save_dir of its own (a save_dir per model: PPO's actor and critic)"
                 return f"save_ckpt refused before writing: {mismatch}; {fix}"
@@ -1608,46 +1623,42 @@ class Checkpoints:
     def _choose_checkpoint(self, load_dir, tag):
         """(folder, record) of the checkpoint to load, checked, or (None, None) where tag is None and load_dir
         holds no checkpoint: load's step 1. Rank 0 alone lists load_dir and reads latest and the records, and hands
-        what it found to every rank: a listing that differed between nodes (a network filesystem's cache) would
-        make the ranks choose differently and wait for each other in different collectives."""
+        what it found to every rank: listings that differed between nodes (a network filesystem's cache) would make
+        the ranks choose differently and wait for each other in different collectives. Then every rank checks its
+        share of each candidate's files in turn, and the ranks agree on each verdict."""
         found = [self._candidates(load_dir, tag) if self.rank == 0 else None]  # a list: the broadcast fills it
         dist.broadcast_object_list(found, src=0)
-        # problems: (error type, why) of each candidate that failed, newest first. Where load_dir cannot be loaded
-        # from at all, _candidates gives its one problem and no candidate: it is raised below, alike on every rank.
-        problems, candidates = found[0]
-        for name, folder, done, problem, note in candidates:
-            path = os.path.join(load_dir, folder)
+        refusal, candidates, note = found[0]
+        if refusal is not None:  # load_dir cannot be loaded from at all: alike on every rank
+            raise refusal
+        failed = []  # why each candidate so far cannot load: an exception, raised as it is where none can
+        for name, folder, done, problem in candidates:  # problem: rank 0's, before any file is checked
+            problem = problem or self._first_of_ranks(self._damaged_share(os.path.join(load_dir, folder), done))
+            if type(problem) is OSError:  # a read that failed (EIO, ESTALE) is no damage: never a fall back for it
+                raise RuntimeError(f"load_ckpt: {problem}")
             if problem is None:
-                try:
-                    problem = self._damaged_share(path, done)
-                except OSError as error:  # a read that fails (EIO, ESTALE) is no damage: never a fall back for it
-                    problem = OSError, f"reading {path} failed on rank {self.rank} ({socket.gethostname()}): {error!r}"
-                problem = self._first_of_ranks(problem)
-            if problem and problem[0] is OSError:
-                raise RuntimeError(f"load_ckpt: {problem[1]}")
-            if problem is None:
-                if problems:
-                    note = f"{problems[0][1]}: resuming from {name} instead, the newest checkpoint that passes"
+                if failed:
+                    note = f"{failed[0]}: resuming from {name} instead, the newest checkpoint that passes"
                 if note:
                     self.print(note)
                 return folder, done
-            problems.append(problem)
-        if not problems:  # rank 0 sees no checkpoint: a rank that sees one would start afresh, alone
-            try:
-                seen = ", ".join(self._checkpoints(load_dir))
-            except OSError as error:  # it cannot list load_dir: say why, to every rank
-                seen = repr(error)
-            fix = "load_dir must be a folder every rank sees alike (a shared filesystem whose cache has settled)"
-            problem = f"load_ckpt: rank 0 sees no checkpoint in {load_dir}, but rank {self.rank} sees {seen}: {fix}"
-            self._raise_on_every_rank(problem if seen else None, RuntimeError)
-            return None, None
-        error_type, why = problems[0]
-        raise error_type(why if len(problems) == 1 else f"{why}; and {len(problems) - 1} older ones fail too")
+            failed.append(problem)
+        if failed:
+            more = f"; and {len(failed) - 1} older ones fail too" if len(failed) > 1 else ""
+            raise type(failed[0])(f"{failed[0]}{more}")
+        try:  # rank 0 sees no checkpoint: a rank that sees one would start afresh, alone
+            seen = ", ".join(self._checkpoints(load_dir))
+        except OSError as error:  # it cannot list load_dir: say why, to every rank
+            seen = repr(error)
+        fix = "load_dir must be a folder every rank sees alike (a shared filesystem whose cache has settled)"
+        problem = f"load_ckpt: rank 0 sees no checkpoint in {load_dir}, but rank {self.rank} sees {seen}: {fix}"
+        self._raise_on_every_rank(problem if seen else None, RuntimeError)
+        return None, None
 
     def _candidates(self, load_dir, tag):
-        """On rank 0: ([], the checkpoints to try, in order, each (tag, folder, record, why it cannot load or None,
-        what to say if it loads)), or ([(error type, why)], []) where load_dir cannot be loaded from at all. It never
-        raises: an error on rank 0 alone would leave the others waiting for its answer."""
+        """On rank 0: (None, the checkpoints to try, in order, each (tag, folder, record, why it cannot load: an
+        exception, or None), what to say if the first loads), or (why nothing in load_dir can load, [], None). It
+        never raises: an error on rank 0 alone would leave the others waiting for its answer."""
         try:
             found = self._checkpoints(load_dir)  # {tag: folder}, oldest first
             latest, newest = self._read_latest(load_dir), (list(found) or [None])[-1]
@@ -1658,13 +1669,13 @@ class Checkpoints:
                 # A checkpoint's own folder given as load_dir (a plausible --ckpt_path) must not start the run afresh.
                 parent, name = os.path.split(os.path.normpath(load_dir))
                 why = f"load_ckpt load_dir {load_dir} is one checkpoint, not the folder of checkpoints"
-                return [(ValueError, f"{why}: pass load_dir={parent!r} (and tag={name!r} to load this one)")], []
+                return ValueError(f"{why}: pass load_dir={parent!r} (and tag={name!r} to load this one)"), [], None
             listing = sorted(os.listdir(load_dir)) if not names and os.path.isdir(load_dir) else []
             listing = [name for name in listing if not name.endswith((STAGING, DELETING))]  # no checkpoints
             plain = [name for name in listing if self._holds_states(os.path.join(load_dir, name))]
             if plain:  # and none of this file's: never a silent fresh start
                 why = f"load_ckpt found plain DeepSpeed checkpoints in {load_dir} ({', '.join(plain)}), none of its own"
-                return [(ValueError, f"{why}: {PLAIN_FIX}")], []
+                return ValueError(f"{why}: {PLAIN_FIX}"), [], None
             note = None
             if tag is None and latest is None and names:
                 note = f"{load_dir} has no {LATEST!r} file: resuming from its newest checkpoint, {names[0]}"
@@ -1672,28 +1683,28 @@ class Checkpoints:
                 why = "saved with save_latest=False, cut short before latest was written, or latest set back"
                 note = f"{load_dir}: resuming {latest}, as latest says, though {newest} is newer ({why}); "
                 note += f"tag={newest!r} resumes that one"
-            folders = [(name, os.path.join(load_dir, found.get(name, name))) for name in names]
-            return [], [(name, os.path.basename(path), *self._read_candidate(path), note) for name, path in folders]
+            folders = [(name, found.get(name, name)) for name in names]
+            return None, [(n, f, *self._read_candidate(os.path.join(load_dir, f))) for n, f in folders], note
         except Exception as error:  # a listing or a file that cannot be read
-            return [(RuntimeError, f"load_ckpt cannot read {load_dir} on rank 0: {error!r}")], []
+            return RuntimeError(f"load_ckpt cannot read {load_dir} on rank 0: {error!r}"), [], None
 
     def _holds_states(self, folder) -> bool:
         """Whether folder holds DeepSpeed's model states: a checkpoint, with a record or without (a plain one)."""
         return any(os.path.isfile(os.path.join(folder, model_states_file(stage))) for stage in (0, 3))
 
     def _read_candidate(self, path):
-        """On rank 0: (record, None) of the checkpoint at path, or (None, (error type, why it cannot load))."""
+        """On rank 0: (record, None) of the checkpoint at path, or (None, why it cannot load: an exception)."""
         if is_file(os.path.join(path, DONE_FILE)):
             done = self._read_record(path)
-            if not done:  # it fails its own CRC
-                return None, (RuntimeError, f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
+            if done is None:  # it fails its own CRC
+                return None, RuntimeError(f"checkpoint {path} does not load: its {DONE_FILE} is damaged")
             return done, None
         if self._holds_states(path):
             why = "a plain DeepSpeed checkpoint, or one whose record was lost"
-            return None, (ValueError, f"checkpoint {path} has no {DONE_FILE} ({why}): {PLAIN_FIX}")
+            return None, ValueError(f"checkpoint {path} has no {DONE_FILE} ({why}): {PLAIN_FIX}")
         what = f"checkpoint {path} is missing or incomplete as {socket.gethostname()} sees it (no {DONE_FILE})"
         why = "the run stopped while saving it, or this node does not share the filesystem it was saved on"
-        return None, (FileNotFoundError, f"{what}: {why}; load an earlier tag, or tag=None")
+        return None, FileNotFoundError(f"{what}: {why}; load an earlier tag, or tag=None")
 
     def _read_record(self, path):
         """A checkpoint's record, or None if it is damaged (it carries its own CRC). A read that fails raises."""
@@ -1706,15 +1717,18 @@ class Checkpoints:
         return done if crc == self._record_crc(done) else None
 
     def _damaged_share(self, path, done):
-        """(RuntimeError, what is wrong with this rank's share of the checkpoint's files), or None. Rank r of this
-        run checks the files saving rank r (and r + world_size, ...) wrote, the model states shared by all with
-        rank 0's: each at its saved size, holding the records its record names, every record's CRC right. In the
-        same run shape these are the files each rank reads; whatever file it reads, a rank checks its size and
-        records (load_file). The record, only rank 0 reads."""
-        for name in [name for name in done["files"] if saving_rank(name) % self.world_size == self.rank]:
-            problem = saved_file_damage(path, name, done, world_size=1)
-            if problem:
-                return RuntimeError, f"checkpoint {path} does not load: {problem}"
+        """What is wrong with this rank's share of the checkpoint's files (a RuntimeError; an OSError where one could
+        not be read), or None. Rank r of this run checks the files saving rank r (and r + world_size, ...) wrote, the
+        model states shared by all with rank 0's: each at its saved size, holding the records its record names, every
+        record's CRC right. In the same run shape these are the files each rank reads; whatever file it reads, a rank
+        checks its size and records (load_file). The record, only rank 0 reads."""
+        try:
+            for name in [name for name in done["files"] if saving_rank(name) % self.world_size == self.rank]:
+                problem = saved_file_damage(path, name, done, world_size=1)
+                if problem:
+                    return RuntimeError(f"checkpoint {path} does not load: {problem}")
+        except OSError as error:
+            return OSError(f"reading {path} failed on rank {self.rank} ({socket.gethostname()}): {error!r}")
         return None
 
     def _model_mismatch(self, saved, here, where):

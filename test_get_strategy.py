@@ -82,6 +82,7 @@ import builtins
 import contextlib
 import functools
 import glob
+import importlib.util
 import inspect
 import io
 import itertools
@@ -292,6 +293,16 @@ def test_get_strategy_reads_every_flag_from_args():
     strategy = get_strategy(args)
     assert settings(strategy) == flags
     assert strategy.args is args  # the trainer's other flags stay reachable
+
+
+def test_any_object_with_the_flags_as_attributes_serves_as_args():
+    class Flags:  # no argparse at all
+        zero_stage, micro_train_batch_size, train_batch_size = 3, 4, 64
+
+    for args in (Flags(), types.SimpleNamespace(zero_stage=3, micro_train_batch_size=4, train_batch_size=64)):
+        strategy = get_strategy(args)
+        assert (strategy.stage, strategy.micro_train_batch_size, strategy.train_batch_size) == (3, 4, 64)
+        assert strategy.max_norm == 1.0  # the flags it lacks take their defaults
 
 
 def test_get_strategy_requires_zero_stage():
@@ -1490,8 +1501,24 @@ def test_each_zero_stage_trains_exactly_like_plain_pytorch(quick_run, stage):
         assert got["optimizer"] == ("AdamW" if stage == 0 else zero)
         assert got["lr"] == pytest.approx(LR * lr_lambda(STEPS))  # the scheduler stepped once per optimizer step
         assert got["partitioned"] == (stage == 3)  # ZeRO 3 holds only a shard of the large weight
+        assert got["full_numel"] == sum(p.numel() for p in make_model().parameters())  # at ZeRO 3 ds_numel
         for name, value in expected.items():
             assert (got["params"][name] - value).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_without_a_scheduler_a_learning_rate_the_loop_sets_by_hand_trains_like_plain_pytorch(quick_run, stage):
+    expected, _ = reference_training()
+    for got in case(quick_run, f"lr_by_hand_stage{stage}"):
+        for name, value in expected.items():
+            assert (got[name] - value).abs().max().item() < 1e-5, name
+
+
+def test_prepare_gives_every_rank_rank_0s_weights_at_every_stage(quick_run):
+    expected = dict(make_model(init_seed=1000).named_parameters())
+    for got in case(quick_run, "rank_0s_weights"):
+        for stage, params in got.items():
+            assert all(torch.equal(params[n], p.detach()) for n, p in expected.items()), stage
 
 
 @pytest.mark.full
@@ -2836,6 +2863,44 @@ def test_deepspeed_launcher_with_two_processes_learns(deepspeed_two_ranks):
     assert_learns(deepspeed_two_ranks, ranks=2)
 
 
+def metrics_of(ckpt):
+    return [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_example_writes_one_json_line_per_logged_step_with_what_it_printed(deepspeed_two_ranks, example_dir):
+    """Logged every step, evaluated every 4 (TINY): steps 0 (an evaluation alone) to 8, the last with both."""
+    rows = metrics_of(example_dir / "ckpt_ds")
+    assert [row["step"] for row in rows] == list(range(9)), rows
+    fields = ["step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "unigram_loss"]
+    assert all(list(row) == fields for row in rows), rows
+    trained = {row["step"]: row["train_loss"] for row in rows if row["train_loss"] is not None}
+    assert {step: round(loss, 6) for step, loss in trained.items()} == losses(deepspeed_two_ranks, "train")
+    held_out = {row["step"]: round(row["val_loss"], 6) for row in rows if row["val_loss"] is not None}
+    assert held_out == losses(deepspeed_two_ranks, "held-out") and sorted(held_out) == [0, 4, 8]
+    assert all(row["grad_norm"] > 0 and row["tokens_per_s"] > 0 and row["lr"] > 0 for row in rows[1:]), rows
+    assert f"the logged figures: {example_dir / 'ckpt_ds' / 'metrics.jsonl'}" in deepspeed_two_ranks
+
+
+def test_use_tensorboard_writes_the_same_figures_or_names_the_package_to_install(tmp_path, capsys, monkeypatch):
+    from train_example import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if importlib.util.find_spec("tensorboard") is None:  # requirements.txt does not install it
+        with pytest.raises(SystemExit):
+            parse_args(["--use_tensorboard", str(tmp_path)])
+        error = capsys.readouterr().err
+        assert "--use_tensorboard" in error and "needs the tensorboard package: pip install tensorboard" in error, error
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_example([PYTHON, "train_example.py", *TINY, "--ckpt_path", str(tmp_path), "--use_tensorboard", str(tmp_path)])
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    rows = metrics_of(tmp_path)
+    assert [event.value for event in events.Scalars("train_loss")] == pytest.approx([r["train_loss"] for r in rows[1:]])
+    assert [event.step for event in events.Scalars("val_loss")] == [0, 4, 8]
+
+
 @pytest.mark.full
 def test_the_final_held_out_loss_is_the_same_on_one_rank_as_on_two(plain_python_one_rank, deepspeed_two_ranks):
     """The same run configuration on 1 rank and on 2 evaluates the same held-out sequences; the weights differ
@@ -2897,6 +2962,10 @@ def test_stopping_with_a_checkpoint_and_resuming_matches_an_uninterrupted_run(
     assert "at step 4" in resumed
     assert losses(stopped, "train") | losses(resumed, "train") == losses(deepspeed_two_ranks, "train")
     assert weights(example_dir, "resumed") == weights(example_dir, "ds")
+    # The metrics file: the stopped run's lines, then the resumed run's, as the uninterrupted run wrote them.
+    rows, uninterrupted = metrics_of(Path(ckpt)), metrics_of(example_dir / "ckpt_ds")
+    figures = ("step", "train_loss", "val_loss", "lr", "grad_norm")  # not tokens_per_s, a time
+    assert [[row[f] for f in figures] for row in rows] == [[row[f] for f in figures] for row in uninterrupted]
 
 
 @pytest.fixture(scope="module")
@@ -4082,7 +4151,34 @@ def trained_like_the_reference(stage):
     engine, optimizer, scheduler = train_like_the_reference(stage)
     partitioned = any(p.numel() == 0 for p in engine.module.parameters())
     got = dict(params=full_params(engine), global_steps=engine.global_steps, optimizer=type(optimizer).__name__)
-    return dict(got, lr=scheduler.get_last_lr()[0], partitioned=partitioned)
+    full_numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())  # ZeRO 3: ds_numel
+    return dict(got, lr=scheduler.get_last_lr()[0], partitioned=partitioned, full_numel=full_numel)
+
+
+def trained_with_the_lr_set_by_hand(stage):
+    """The reference's steps without a scheduler: prepare((model, optimizer, None)), and the loop setting each step's
+    learning rate on the optimizer prepare returns, as nanoGPT's does."""
+    strategy = new_strategy(stage)
+    model = make_model()
+    optimizer = strategy.create_optimizer(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    engine, optimizer, _ = strategy.prepare((model, optimizer, None))
+    batches = iter(strategy.setup_dataloader(make_dataset(), MICRO, shuffle=False))
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = LR * lr_lambda(step)
+        train(strategy, engine, optimizer, None, batches, 1)
+    return full_params(engine)
+
+
+def prepared_from_rank_dependent_weights(rank):
+    """At each stage, a model whose weights differ on each rank: what every rank holds after prepare."""
+    got = {}
+    for stage in range(4):
+        strategy = new_strategy(stage)
+        model = make_model(init_seed=1000 + rank)
+        engine, _, _ = strategy.prepare((model, strategy.create_optimizer(model, lr=LR), None))
+        got[stage] = full_params(engine)
+    return got
 
 
 def bf16_training(stage):
@@ -5186,8 +5282,8 @@ def run_background_signals(out_dir):
     batches = iter(strategy.setup_dataloader(make_dataset(), MICRO))
     ckpt, fsync = os.path.join(out_dir, "ckpt"), get_strategy_module.fsync
 
-    def slowly(path):  # a slow disk: the background save is still writing when the signal comes
-        time.sleep(1)
+    def slowly(path):  # a slow disk under the background saves: each is still writing when the signal comes
+        time.sleep(0.5 if f"{os.sep}a.saving" in str(path) or f"{os.sep}c.saving" in str(path) else 0)
         fsync(path)
 
     def save(tag, **kwargs):
@@ -5195,8 +5291,8 @@ def run_background_signals(out_dir):
             torch.save(full_state(engine), os.path.join(out_dir, f"{tag}.pt"))
         strategy.save_ckpt(engine, ckpt, tag=tag, **kwargs)
 
-    train(strategy, engine, optimizer, scheduler, batches, 1)
     get_strategy_module.fsync = slowly
+    train(strategy, engine, optimizer, scheduler, batches, 1)
     save("a", background=True)
     train(strategy, engine, optimizer, scheduler, batches, 1)
     print("waiting", flush=True)
@@ -5205,10 +5301,8 @@ def run_background_signals(out_dir):
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         save("b")  # the emergency save
-    get_strategy_module.fsync = fsync
     train(strategy, engine, optimizer, scheduler, batches, 1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    get_strategy_module.fsync = slowly
     save("c", background=True)
     train(strategy, engine, optimizer, scheduler, batches, 1)
     print("waiting", flush=True)
@@ -5375,6 +5469,8 @@ def run_quick(out_dir):
     files and saves that fail."""
     rank = int(os.environ["RANK"])
     cases = {f"train_stage{stage}": partial(trained_like_the_reference, stage) for stage in range(4)}
+    cases.update({f"lr_by_hand_stage{stage}": partial(trained_with_the_lr_set_by_hand, stage) for stage in (2, 3)})
+    cases["rank_0s_weights"] = partial(prepared_from_rank_dependent_weights, rank)
     cases.update(collectives=partial(collectives, rank), dataloader=dataloader_shards)
     for stage, dtype in itertools.product(range(4), ("fp32", "bf16")):
         cases[f"resume_stage{stage}_{dtype}"] = partial(resumed_exactly, stage, dtype, out_dir)

@@ -26,7 +26,9 @@ number of ranks or --zero_stage; sent SIGTERM or SIGUSR1, the run saves a checkp
 import argparse
 import contextlib
 import glob
+import importlib.util
 import itertools
+import json
 import logging
 import io
 import math
@@ -112,6 +114,14 @@ def parse_args(argv=None):
     )
     group.add_argument("--logging_steps", type=int, default=50, help="print a log line every this many steps")
     group.add_argument(
+        "--metrics_path",
+        help="file that every logged step's figures are appended to, as one JSON line (default: metrics.jsonl in "
+        "--ckpt_path, beside the checkpoints a resumed run continues from)",
+    )
+    group.add_argument(
+        "--use_tensorboard", metavar="DIR", help="also write the logged figures to TensorBoard event files in DIR"
+    )
+    group.add_argument(
         "--verbose", action="store_true", help="keep DeepSpeed's own log lines (INFO, every rank) for debugging"
     )
 
@@ -193,6 +203,8 @@ def check_args(args, parser):
     if os.path.isfile(os.path.join(args.ckpt_path, "checkpoint_complete.json")):  # DONE_FILE; torch not yet imported
         parent = os.path.dirname(os.path.abspath(args.ckpt_path))
         return f"--ckpt_path {args.ckpt_path} is one checkpoint, not the folder of checkpoints: pass {parent}"
+    if args.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return f"--use_tensorboard {args.use_tensorboard} needs the tensorboard package: pip install tensorboard"
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.max_steps:
         return f"--stop_at_step {args.stop_at_step} must be between 1 and --max_steps {args.max_steps}"
 
@@ -238,11 +250,15 @@ def check_args(args, parser):
             f"{(val_bytes - 1) // args.block_size}: lower --eval_batches, or raise --val_fraction or --data_bytes"
         )
 
-    # Output folders, on the ranks that write them: every rank writes its part of a checkpoint, rank 0 the weights.
+    # Output folders, on the ranks that write them: every rank writes its part of a checkpoint, rank 0 the weights
+    # and the metrics.
     saves_checkpoints = args.save_steps > 0 or args.stop_at_step is not None
+    args.metrics_path = args.metrics_path or os.path.join(args.ckpt_path, "metrics.jsonl")
     for flag, folder, writes in (
         ("--save_path", args.save_path, rank == 0 and args.save_path is not None),
         ("--ckpt_path", args.ckpt_path, saves_checkpoints),
+        ("--metrics_path", os.path.dirname(os.path.abspath(args.metrics_path)), rank == 0),
+        ("--use_tensorboard", args.use_tensorboard, rank == 0 and args.use_tensorboard is not None),
     ):
         problem = writes and unwritable(folder)
         if problem:
@@ -446,6 +462,43 @@ class Preemption:
         return event
 
 
+class Metrics:
+    """What the loop logs, on rank 0: one JSON line per logged step in the metrics file (FIELDS, null where the step
+    did not measure one), and with --use_tensorboard the same as TensorBoard scalars. A resumed run keeps the lines
+    up to the step it resumed from and appends after them."""
+
+    FIELDS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "unigram_loss")
+
+    def __init__(self, args, strategy, start_step):
+        self.path, self.file, self.tensorboard = args.metrics_path, None, None
+        if not strategy.is_rank_0():
+            return
+        kept = []
+        if start_step > 0 and os.path.isfile(self.path):  # the run before this resume wrote these
+            kept = [line for line in open(self.path) if json.loads(line)["step"] <= start_step]
+        self.file = open(self.path, "w")
+        self.file.writelines(kept)
+        if args.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(args.use_tensorboard)
+
+    def log(self, step, **figures):
+        if self.file is None:
+            return
+        self.file.write(json.dumps({field: figures.get(field) for field in self.FIELDS} | {"step": step}) + "\n")
+        self.file.flush()
+        for name, value in figures.items():
+            if self.tensorboard is not None:
+                self.tensorboard.add_scalar(name, value, step)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+
+
 def micro_batches(loader, strategy):
     """Micro-batches from where the loader stands (loader.load_state_dict sets it on a resume), epoch after epoch,
     each epoch in a new seeded order and cut to whole optimizer steps. A resume with another --train_batch_size goes on
@@ -598,14 +651,15 @@ def main(args):
 
     preemption = Preemption(strategy)  # listens for SIGTERM and SIGUSR1 from here on
     last_step = min(args.max_steps, args.stop_at_step or args.max_steps)
+    unigram, metrics = unigram_loss(train_data, val_data), Metrics(args, strategy, start_step)
     if start_step == 0:
-        held_out_loss(0)
+        metrics.log(0, val_loss=held_out_loss(0), unigram_loss=unigram)
     tokens_per_step = args.train_batch_size * args.block_size
     batches = micro_batches(train_loader, strategy)
     bar = tqdm(
         total=args.max_steps, initial=start_step, disable=not strategy.is_rank_0(), desc="train", dynamic_ncols=True
     )
-    started = time.perf_counter()
+    started, figures = time.perf_counter(), {}  # figures: what a step logs
     for step in range(start_step + 1, last_step + 1):
         # The loss stays on the device: reading a number on the host (.item(), a print) waits for the device to
         # finish its queued work. Outside logging a step reads one number, the previous step's preemption check.
@@ -617,14 +671,19 @@ def main(args):
             strategy.optimizer_step(optimizer, engine, scheduler)  # steps the optimizer on the last micro-batch
             step_loss += loss.detach() / strategy.accumulated_gradient
         bar.update()
+        figures = {}
         if step % args.logging_steps == 0:
             mean_loss = strategy.all_reduce(step_loss).item()  # the mean over ranks: every rank holds the same number
             tokens_per_s = (step - start_step) * tokens_per_step / (time.perf_counter() - started)
             lr = scheduler.get_last_lr()[0]
             bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             log(f"step {step:5d} | train loss {mean_loss:.6f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s")
-        if step % args.eval_steps == 0 and step < args.max_steps:
-            held_out_loss(step)
+            figures.update(train_loss=mean_loss, lr=lr, grad_norm=strategy.get_grad_norm(engine))
+            figures["tokens_per_s"] = tokens_per_s
+        if step % args.eval_steps == 0 or step == args.max_steps:
+            figures.update(val_loss=held_out_loss(step), unigram_loss=unigram)
+        if figures:
+            metrics.log(step, **figures)
         saves = (args.save_steps > 0 and step % args.save_steps == 0) or step == args.stop_at_step
         if saves:
             save_checkpoint(step)
@@ -644,16 +703,18 @@ def main(args):
     if last_step < args.max_steps:
         strategy.print(f"stopped at step {last_step} of {args.max_steps}; continue with --load_checkpoint")
     else:
-        val_loss = held_out_loss(args.max_steps)
+        if "val_loss" not in figures:  # a run resumed at its last step trains none
+            figures["val_loss"] = held_out_loss(args.max_steps)
         strategy.print(
-            f"final held-out loss {val_loss:.6f} nats/byte; unigram baseline "
-            f"{unigram_loss(train_data, val_data):.6f} nats/byte"
+            f"final held-out loss {figures['val_loss']:.6f} nats/byte; unigram baseline {unigram:.6f} nats/byte"
         )
         sample = generate(engine, b"def ", 160, args.seed, device)
         strategy.print("sample: def " + sample.decode("utf-8", errors="replace"))
         if args.save_path:
             strategy.save_model(engine, None, args.save_path)
             strategy.print(f"weights saved to {os.path.join(args.save_path, 'pytorch_model.bin')}")
+    metrics.close()
+    strategy.print(f"the logged figures: {args.metrics_path} (python docs/plot_metrics.py draws them)")
     strategy.teardown()
 
 

@@ -15,8 +15,8 @@ the deepspeed launcher):
     model, optimizer, scheduler = strategy.prepare((model, optimizer, scheduler))
     for batch in strategy.setup_dataloader(dataset, strategy.micro_train_batch_size):
         loss = loss_fn(model(batch))
-        strategy.backward(loss, model, optimizer)
-        strategy.optimizer_step(optimizer, model, scheduler)  # steps once every accumulated_gradient calls
+        strategy.backward(loss, model, optimizer)  # no loss / accumulation steps, zero_grad() or DDP: the engine's
+        strategy.optimizer_step(optimizer, model, scheduler)  # clips and steps once every accumulated_gradient calls
     strategy.teardown()  # ends the process group before Python shuts down
 
 and launch it with `deepspeed train.py`, `torchrun --nproc_per_node N train.py` or plain `python train.py`. On a
@@ -367,11 +367,8 @@ class DeepspeedStrategy:
     # backward() and step() replace loss.backward() and optimizer.step(). A model too large for one device is built
     # already sharded, under `with deepspeed.zero.Init(config_dict_or_path=strategy.get_ds_train_config()):`, as
     # Hugging Face's from_pretrained does at ZeRO 3; create_optimizer and prepare take it as it is.
-    #
-    # OpenRLHF's trainers pass an "Actor" instead: a module
-    # keeping the model it trains in its `model` attribute, where prepare() puts the engine (in_actor). So a method
-    # reaches the engine through engine_of(model) (the engine, or an Actor's), and its module through
-    # _unwrap_model(model); both functions are in the part "OpenRLHF's contracts", after the learner's part.
+    # A method reaches the engine through engine_of(model): the engine itself, or the one an OpenRLHF "Actor" (a
+    # module keeping its model in `.model`) holds; the part "OpenRLHF's contracts", after the marker, has it.
 
     def _unwrap_model(self, model) -> torch.nn.Module:
         """The plain module inside an engine, an OpenRLHF Actor, or both (OpenRLHF's trainers call it too)."""
@@ -697,11 +694,12 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
 
 
 # ============================================ A learner can stop reading here: everything above trains. ========
-# What crosses this line: save_ckpt, load_ckpt, save_model, load_model and teardown hand their work to the checkpoint
-# part below (teardown waits for a background save there), and prepare reaches a model through an OpenRLHF Actor
-# (engine_of, in_actor) and refuses what DeepSpeed would take wrongly (refuse_what_prepare_cannot_wrap), all defined
-# below; a plain module passes through them unchanged. The second part: OpenRLHF's contracts, then checkpoints and
-# model weights, what a run needs to survive being stopped, moved and restarted.
+# What crosses this line, all defined below: save_ckpt, load_ckpt, save_model, load_model and teardown hand their work
+# to the checkpoint part (teardown waits for a background save there); every method reaches the engine through an
+# OpenRLHF Actor's functions (engine_of, in_actor), which pass a plain engine through unchanged; get_strategy reads
+# OpenRLHF's flags (openrlhf_flags); prepare refuses what DeepSpeed would take wrongly
+# (refuse_what_prepare_cannot_wrap); moving_average is update_ema. The second part: OpenRLHF's contracts, then
+# checkpoints and model weights, what a run needs to survive being stopped, moved and restarted.
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -724,8 +722,10 @@ def openrlhf_flags(args) -> dict:
     """For get_strategy: refuses OpenRLHF's nested flags (0.10.2 on), a feature this file leaves out, and fp16;
     returns the strategy's flags that OpenRLHF's names give (--param_dtype bf16, from 0.9.2 on, is --bf16)."""
     if hasattr(getattr(args, "ds", None), "zero_stage"):  # args.ds.zero_stage: flags nested by their group
-        fix = "OpenRLHF 0.10.2 on nests flags (args.ds.zero_stage): pass them flat, as up to OpenRLHF 0.10.1"
-        raise ValueError(f"--zero_stage is required: {fix}")
+        fix = "pass them flat (args.zero_stage), as up to OpenRLHF 0.10.1, or use OpenRLHF's own strategy"
+        raise ValueError(
+            f"OpenRLHF 0.10.2 and later nest flags (args.ds.zero_stage), which this file does not read: {fix}"
+        )
     for flag, (off, feature) in LEFT_OUT.items():
         value = getattr(args, flag, off)
         if value != off:
@@ -870,6 +870,9 @@ PLAIN_FIX = "load it with engine.load_checkpoint(load_dir, tag) in the shape tha
 # anything else (a file of yours, a subfolder) is never deleted, nor a link.
 DEEPSPEED_FILES = r"(bf16_)?(zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt"
 CHECKPOINT_FILES = re.compile(DEEPSPEED_FILES + r"|rng_state_rank\d+\.pt|checkpoint_complete\.json(\.tmp)?")
+# The weight files that torch.save and Hugging Face's save_pretrained write, whole or in shards, and their indexes:
+# save_model replaces an earlier save's.
+WEIGHT_FILES = re.compile(r"(pytorch_model|model)(-\d+-of-\d+)?\.(bin|safetensors)(\.index\.json)?")
 
 
 def training_optimizer(engine):
@@ -984,13 +987,13 @@ class OwnFiles:
     rank out of the barriers inside DeepSpeed's save_checkpoint while the others waited there for the process
     group's timeout; noted, it reaches every rank at the agreement after the save."""
 
-    def __init__(self, staging, background, rank, buffers):
+    def __init__(self, staging, background, rank, buffers, holds):
         self.staging, self.background, self.rank = staging, background, rank
         self.buffers = buffers  # an earlier background save's copies, reused where a storage's size matches
+        self.holds = holds  # at ZeRO 1-2, {parameter: [first element, length]} its optimizer file holds (the record's)
         self.copies = []  # this save's copies, one per storage, in order
         self.queued = []  # (path, the state as snapshot() copied it), waiting to be written
         self.written = {}  # {file name: [size, records digest]}
-        self.holds = {}  # at ZeRO 1-2, the slices of each parameter this rank's optimizer file holds (the record's)
         self.failed = None  # what the first write that failed said, naming the rank, the file and the likely cause
 
     def add(self, state, path) -> None:
@@ -1057,19 +1060,18 @@ class OwnFiles:
             self.written[os.path.basename(path)] = [os.path.getsize(path), records_digest(archive)]
 
     def write_queued(self):
-        """Write what snapshot() copied, make the folder's names durable, and report: (what failed or None, {file
-        name: [size, records digest, at ZeRO 1-2 for the optimizer file the slices it holds]}). Rank 0's record
-        lists the files the ranks report: its own listing of a shared folder can miss another node's files for a
-        while, as NFS's attribute cache does."""
+        """Write what snapshot() copied, make the folder's names durable, and report for the record: (what failed or
+        None, {file name: [size, records digest]}, {optimizer file name: holds}). Rank 0's record lists the files the
+        ranks report: its own listing of a shared folder can miss another node's files for a while, as NFS's
+        attribute cache does."""
         for path, state in self.queued:
             self.attempt(path, self.write_file, state, path)
         self.queued = []
         self.attempt(self.staging, fsync, self.staging)
-        for name, spec in self.written.items():
-            spec += [self.holds] if self.holds and name.endswith("optim_states.pt") else []
         if self.failed:
-            return self.failed, {}
-        return None, self.written
+            return self.failed, {}, {}
+        optimizer_file = [name for name in self.written if name.endswith("optim_states.pt")]
+        return None, self.written, {name: self.holds for name in optimizer_file if self.holds}
 
 
 def failed_write(path, error, rank, save_dir) -> str:
@@ -1214,7 +1216,7 @@ class Checkpoints:
         a NaN or infinite one counts as none, with a warning (one evaluation that diverged must not cost a
         checkpoint).
 
-        With background, it returns once every rank holds a copy of its files' state in CPU memory (step 1 of the
+        With background, it returns once every rank holds a copy of its files' state in CPU memory (step 2 of the
         header), and a thread of this process (BackgroundSave) does the rest: the writes, the fsyncs, and the
         ranks' agreement and the commit over a process group of the strategy's own. The training's process group is
         used by the calling thread alone; the next save_ckpt, load_ckpt, save_model, load_model or teardown first
@@ -1248,12 +1250,15 @@ class Checkpoints:
         def finish(group):
             """Steps 2 (with background, the writes), 3, 4 and 5, over group (collectives; None: the training's
             process group). Returns None, or what failed, the same on every rank."""
-            every_rank = [None] * self.world_size
+            every_rank = [None] * self.world_size  # each rank's (failed, written, holds)
             dist.all_gather_object(every_rank, files.write_queued(), group=group)
-            problem = next((failed for failed, _ in every_rank if failed), None)
+            problem = next((failed for failed, _, _ in every_rank if failed), None)
             if problem is None and self.rank == 0:  # one writer for every shared file
-                written = {name: spec for _, specs in every_rank for name, spec in specs.items()}
-                problem = self._commit(save_dir, tag, save_latest, record, written)
+                written = dict(sorted((name, spec) for _, specs, _ in every_rank for name, spec in specs.items()))
+                record["files"] = {name: size for name, (size, _) in written.items()}
+                record["contents"] = {name: digest for name, (_, digest) in written.items()}  # records_digest
+                record["holds"] = {name: slices for _, _, holds in every_rank for name, slices in holds.items()}
+                problem = self._commit(save_dir, tag, save_latest, record)
             problem = self._first_of_ranks(problem, group)
             if problem:  # nothing is committed (a record _commit wrote, it removed): every rank gives the space back
                 shutil.rmtree(files.staging, ignore_errors=True)  # also where its node has a save_dir of its own
@@ -1344,14 +1349,9 @@ class Checkpoints:
             latest = os.path.join(save_dir, LATEST)
             if save_latest and os.path.lexists(latest) and not os.path.isfile(latest):
                 return f"save_ckpt refused before writing: {latest} is no file, and the save would write it"
-            found = list(self._checkpoints(save_dir).values())  # oldest first
-            newest = (self._read_record(os.path.join(save_dir, found[-1])) or {}) if found else {}
-            self.sequence = newest.get("sequence", 0) + 1  # one after the newest's, for the record (_commit)
-            where, here = (
-                f"{save_dir}'s newest checkpoint, {found[-1] if found else None},",
-                self._tensor_shapes(self.module),
-            )
-            mismatch = "tensors" in newest and self._model_mismatch(newest["tensors"], here, where)
+            newest, saved = self._newest(save_dir)
+            where, here = f"{save_dir}'s newest checkpoint, {newest},", self._tensor_shapes(self.module)
+            mismatch = "tensors" in saved and self._model_mismatch(saved["tensors"], here, where)
             if mismatch:
                 fix = "save each model in a save_dir of its own (a save_dir per model: PPO's actor and critic)"
                 return f"save_ckpt refused before writing: {mismatch}; {fix}"
@@ -1383,6 +1383,11 @@ class Checkpoints:
 
         return {tag: found[tag] for tag in sorted(found, key=committed)}
 
+    def _newest(self, save_dir):
+        """(folder, record) of save_dir's newest checkpoint; (None, {}) where there is none, {} for a damaged record."""
+        found = list(self._checkpoints(save_dir).values())  # oldest first
+        return (found[-1], self._read_record(os.path.join(save_dir, found[-1])) or {}) if found else (None, {})
+
     def _save_own_files(self, save_dir, tag, client_state, background) -> OwnFiles:
         """This rank's files of the checkpoint, as DeepSpeed's save_checkpoint hands them to the DurableWriter:
         written into <tag>.saving, or with background copied into CPU memory."""
@@ -1391,14 +1396,21 @@ class Checkpoints:
             writer = engine.checkpoint_engine = DurableWriter()
             # The one copy DeepSpeed makes without its writer: at ZeRO 1-3 rank 0 copies its scripts zero_to_fp32.py
             # and zero_to_torch.py into save_dir, after its last write and before its last barrier.
-            copy_scripts = engine._copy_recovery_script
-            engine._copy_recovery_script = lambda path: (
-                writer.files.attempt(path + "/zero_to_fp32.py", copy_scripts, path)
-                if writer.files
-                else copy_scripts(path)
-            )
+            deepspeeds_copy = engine._copy_recovery_script
+
+            def copy_scripts(path):  # inside a save_ckpt, a failed copy is noted as a failed write is
+                if writer.files is None:
+                    return deepspeeds_copy(path)
+                writer.files.attempt(path + "/zero_to_fp32.py", deepspeeds_copy, path)
+
+            engine._copy_recovery_script = copy_scripts
+        # At ZeRO 1-2 a rank's optimizer file holds one flat range of each group: which slice of which parameter,
+        # its _hp_mapping says (ZeRO 3's layout follows from the shapes). The record keeps them ("holds"), so that a
+        # load opens only the files holding what it needs: ReshapingReader.saved_ranks reads them.
+        mapped = [(n, getattr(p, "_hp_mapping", None)) for n, p in self.module.named_parameters()]
+        holds = {n: [m.lp_fragment_address.start, m.lp_fragment_address.numel] for n, m in mapped if m}
         staging = os.path.join(save_dir, tag + STAGING)
-        files = writer.files = OwnFiles(staging, background, self.rank, writer.buffers)
+        files = writer.files = OwnFiles(staging, background, self.rank, writer.buffers, holds)
         # At ZeRO 3 a parameter that trains but that the optimizer does not hold lies in no file DeepSpeed writes
         # (its model states hold a (0,) placeholder): each rank keeps its partition in its model states.
         held = {name for names in engine.param_group_names for name in names}
@@ -1416,11 +1428,6 @@ class Checkpoints:
         get_accelerator().synchronize()  # the copies into pinned memory have landed before training goes on
         if background:
             writer.buffers = files.copies  # the next background save reuses them: as large as this one's, no more
-        # At ZeRO 1-2 a rank's optimizer file holds one flat range of each group: which slice of which parameter,
-        # its _hp_mapping says (ZeRO 3's layout follows from the shapes). The record keeps them, so that a load
-        # opens only the files holding what it needs.
-        mapped = [(n, getattr(p, "_hp_mapping", None)) for n, p in self.module.named_parameters()]
-        files.holds = {n: [m.lp_fragment_address.start, m.lp_fragment_address.numel] for n, m in mapped if m}
         return files
 
     def _get_rng_states(self) -> dict:
@@ -1433,14 +1440,11 @@ class Checkpoints:
             states["device"] = get_accelerator().get_rng_state()
         return states
 
-    def _commit(self, save_dir, tag, save_latest, record, files):
-        """On rank 0, once every rank's files are durable: write the record, with every file's size, contents and
-        (at ZeRO 1-2) slices, into <tag>.saving, then latest. Returns None, or what failed (the caller then removes
-        <tag>.saving, so nothing has changed)."""
-        record["files"] = {name: spec[0] for name, spec in sorted(files.items())}
-        record["contents"] = {name: spec[1] for name, spec in sorted(files.items())}  # records_digest
-        record["holds"] = {name: spec[2] for name, spec in files.items() if len(spec) > 2}  # {name: [start, length]}
-        record["sequence"] = self.sequence  # the order of commits in save_dir, which its files' times may lose
+    def _commit(self, save_dir, tag, save_latest, record):
+        """On rank 0, once every rank's files are durable: write the record (the ranks' files, sizes, contents and at
+        ZeRO 1-2 slices already in it; its order of commits added here) into <tag>.saving, then latest. Returns None,
+        or what failed (the caller then removes <tag>.saving, so nothing has changed)."""
+        record["sequence"] = self._newest(save_dir)[1].get("sequence", 0) + 1  # its files' times may lose the order
         record["crc"] = self._record_crc(record)  # the record's own, so a damaged record is told from a missing one
         try:
             self._write_atomically(os.path.join(save_dir, tag + STAGING, DONE_FILE), json.dumps(record, indent=1))
@@ -1894,34 +1898,30 @@ class Checkpoints:
             optimizer.refresh_fp32_params()
 
 
-# The weight files that torch.save and Hugging Face's save_pretrained write, whole or in shards, and their indexes.
-WEIGHT_FILES = re.compile(r"(pytorch_model|model)(-\d+-of-\d+)?\.(bin|safetensors)(\.index\.json)?")
-
-
 # The reader: DeepSpeed's private save formats, what a maintainer needs.
 #
-# load_ckpt reads DeepSpeed's files itself, in every run shape, the saving run's too: one path, which writes the
-# fp32 masters whatever the options, fails on every rank alike (no collective runs until all have read), and
-# scales. Each rank opens only the saved files holding a slice of what it will hold (the record says which slices
-# each ZeRO 1-2 optimizer file holds; ZeRO 3's are computed): in the same shape its own; resuming at ZeRO 3, the
-# files whose slices overlap its partition; at ZeRO 1-2, those overlapping its flat range; at ZeRO 0, where every
-# rank keeps everything, all. They are memory-mapped, so only those slices are read from disk; saving stays as
-# fast and as large as DeepSpeed's, with no second, shape-free copy.
+# A worked example first: one parameter of 131,584 elements saved by 4 ranks at ZeRO 3, resumed by 3 ranks at ZeRO 2.
+# ZeRO 3 cut it into 4 slices of 32,896 elements (numel / 4, rounded up): saving rank r's optimizer file holds
+# elements [32,896 r, 32,896 (r + 1)) of it inside its flat fp32 partition, after the slices of the parameters before
+# it, and Adam's moments at the same offsets. Reading those files gives 4 Pieces per key ("value", the fp32 master;
+# "exp_avg"; "exp_avg_sq"), starting at elements 0, 32,896, 65,792 and 98,688 of the flattened parameter. ZeRO 2
+# lays a group's parameters end to end and gives each rank one range of that line; say rank 1's range starts 20,000
+# elements into this parameter: rank 1's Fragment of it is (name, start 20,000, offset 0 in its master, length
+# 111,584), and read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into
+# the master, and likewise into Adam's moments. Last, update_lp_params() (every rank) gathers the ranges into each
+# rank's 16-bit weights. Which files rank 1 opens comes from the record: the saving ranks whose slices overlap
+# [20,000, 131,584) of this parameter, here all 4 (saved_ranks).
 #
-# Both sides deal in slices of flattened tensors. The saved side is a dict of Pieces: pieces[name, key] lists the
-# saved slices of one tensor, key "value" (the fp32 master weight of a trained parameter, a frozen parameter or a
-# buffer) or one of the optimizer's state keys (Adam's exp_avg, exp_avg_sq). The loading side is this rank's
-# Fragments: which elements of which parameter each of its optimizer's fp32 masters holds. read_elements fills a
+# In general: load_ckpt reads DeepSpeed's files itself, in every run shape, the saving run's too: one path, which
+# writes the fp32 masters whatever the options, fails on every rank alike (no collective runs until all have read),
+# and scales. Each rank opens only the saved files holding a slice of what it will hold (the record says which slices
+# each ZeRO 1-2 optimizer file holds; ZeRO 3's follow from the shapes): in the same shape its own; resuming at ZeRO 3,
+# the files whose slices overlap its partition; at ZeRO 1-2, those overlapping its flat range; at ZeRO 0, where every
+# rank keeps everything, all. They are memory-mapped, so only those slices are read from disk. The saved side is a
+# dict of Pieces, pieces[name, key]: the saved slices of one flattened tensor, key "value" (the fp32 master weight of a
+# trained parameter, a frozen parameter or a buffer) or one of the optimizer's state keys. The loading side is this
+# rank's Fragments: which elements of which parameter each of its optimizer's fp32 masters holds. read_elements fills a
 # fragment from the pieces that overlap it; write_tensor writes 16-bit weights, frozen parameters and buffers.
-#
-# A worked example: a parameter of 131,584 elements saved by 4 ranks at ZeRO 3 and resumed by 3 ranks at ZeRO 2.
-# ZeRO 3 cut it into 4 slices of 32,896 elements (numel / 4, rounded up): rank r's optimizer file holds elements
-# [32,896 r, 32,896 (r + 1)) of it inside its flat fp32 partition, after the slices of the parameters before it,
-# and Adam's moments at the same offsets. Reading gives 4 pieces per key, starting at 0, 32,896, 65,792, 98,688.
-# ZeRO 2 lays a group's parameters end to end and gives each rank one range of that line; say rank 1's range
-# starts 20,000 elements into this parameter: its fragment is (name, start 20,000, offset 0, length 111,584), and
-# read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into the master.
-# Last, update_lp_params() (every rank) gathers the ranges into each rank's 16-bit weights.
 #
 # What it reads and writes, and the private DeepSpeed 0.19.8 names it relies on (the oldest release that
 # requirements.txt allows; the reshape tests fail if a later release renames them):
@@ -1980,6 +1980,36 @@ class ReshapingReader:
         self.kind = type(self.optimizer).__name__
         self.names = {id(p): name for name, p in engine.module.named_parameters()}  # each parameter's name
         self.opened = {}  # {file name: what read_file read}
+        # What read_saved, just below, reads:
+        self.pieces = {}  # {(name, key): [Piece]}, key "value" or a state key (the section's header)
+        self.groups = []  # the saved optimizer groups' hyperparameters
+        self.steps, self.saved_keys = [], set()  # each saved fragment's step count; the state keys besides the step
+        self.step = 0  # the step count to resume from: the largest of steps
+        self.model_states = {}  # the model states file, with the counters, the scheduler and client_state
+
+    def read_saved(self, wanted) -> None:
+        """Read the checkpoint's pieces and optimizer state that hold wanted ([(name, first element, length)]), into
+        the attributes __init__ names: from the model states (at ZeRO 3 this rank's own, or rank 0's where the saving
+        run had no rank of its number), then by the reader of the saving run's ZeRO stage from the files of the saving
+        ranks that hold them."""
+        stage, tensors, rank = self.done["zero_stage"], self.done["tensors"], dist.get_rank()
+        own = rank if rank < self.done["world_size"] else 0
+        model_states = self.model_states = self.read_file(model_states_file(stage, own))
+        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
+        # the module, at ZeRO 3 in each rank's frozen fragments; buffers lie whole in the module at every stage.
+        stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
+        buffers = set(model_states.get("buffer_names") or [])
+        if stage == 0:
+            self.groups = self.read_zero0(model_states)
+        elif stage < 3:
+            self.groups = self.read_zero12(self.saved_ranks(wanted))
+        else:  # buffers: whole in this rank's model states, no reason to open another rank's files
+            ranks = self.saved_ranks([w for w in wanted if w[0] not in buffers])
+            self.groups = self.read_zero3(model_states["param_shapes"], set(tensors) - stepped - buffers, ranks)
+        for name in set(tensors) - stepped:
+            if (name, "value") not in self.pieces and (stage < 3 or name in buffers):
+                self.add(name, "value", 0, model_states["module"][name])
+        self.step = int(max(self.steps, default=0))
 
     @torch.no_grad()
     def load(self, loadable: set, optimizer_states: bool) -> dict:
@@ -2097,8 +2127,8 @@ class ReshapingReader:
                 for fragment in zero3_layout(shapes, dist.get_world_size(), dist.get_rank()):
                     yield fragment, master
             else:  # ZeRO 0: whole parameters, their masters a list alike
-                for p, copy in zip(params, master, strict=True):
-                    yield Fragment(self.names[id(p)], 0, 0, p.numel()), copy
+                for p, own_master in zip(params, master, strict=True):
+                    yield Fragment(self.names[id(p)], 0, 0, p.numel()), own_master
 
     def state_keys(self, base) -> set:
         """The state keys this run's optimizer steps with, which must be the saved ones: refuses otherwise."""
@@ -2124,33 +2154,6 @@ class ReshapingReader:
         if len(here) > len(saved) or any(owner.get(n, i) != i for i, names in enumerate(here) for n in names):
             why = f"saved {saved}, here {here}: build the optimizer's groups in the saving run's order"
             raise ValueError(f"checkpoint {self.ckpt_dir}'s optimizer groups do not match this run's: {why}")
-
-    def read_saved(self, wanted) -> None:
-        """Read the checkpoint's pieces and optimizer state that hold wanted ([(name, first element, length)]), by
-        the function for the layout of the ZeRO stage that saved it, from the model states (the counters, the
-        scheduler, client_state; at ZeRO 3 this rank's own, or rank 0's where the saving run had no rank of its
-        number) and the files of the saving ranks that hold them: self.pieces ((name, key) ->
-        [Piece]), self.groups (the saved optimizer groups' hyperparameters), self.step (the optimizer's step count
-        to resume from), self.saved_keys (its per-parameter state keys besides the step), self.model_states."""
-        self.pieces, self.steps, self.saved_keys = {}, [], set()
-        stage, tensors, rank = self.done["zero_stage"], self.done["tensors"], dist.get_rank()
-        own = rank if rank < self.done["world_size"] else 0
-        model_states = self.model_states = self.read_file(model_states_file(stage, own))
-        # A parameter no optimizer stepped (frozen when saved, though a user's optimizer may list it) lies whole in
-        # the module, at ZeRO 3 in each rank's frozen fragments; buffers lie whole in the module at every stage.
-        stepped = {name for shapes in model_states.get("param_shapes") or [] for name in shapes}
-        buffers = set(model_states.get("buffer_names") or [])
-        if stage == 0:
-            self.groups = self.read_zero0(model_states)
-        elif stage < 3:
-            self.groups = self.read_zero12(self.saved_ranks(wanted))
-        else:  # buffers: whole in this rank's model states, no reason to open another rank's files
-            ranks = self.saved_ranks([w for w in wanted if w[0] not in buffers])
-            self.groups = self.read_zero3(model_states["param_shapes"], set(tensors) - stepped - buffers, ranks)
-        for name in set(tensors) - stepped:
-            if (name, "value") not in self.pieces and (stage < 3 or name in buffers):
-                self.add(name, "value", 0, model_states["module"][name])
-        self.step = int(max(self.steps, default=0))
 
     def saved_ranks(self, wanted) -> list:
         """The saving ranks (ZeRO 1-3) whose files hold a slice of wanted ([(name, first element, length)]), and
@@ -2256,6 +2259,8 @@ def replay_bias_corrections(optimizer, steps: int) -> None:
     for step in range(1, steps + 1):
         for group in optimizer.param_groups:
             beta1, beta2 = group["betas"]
+            # As DeepSpeedCPUAdam.step calls it: (its id, the step, lr, beta1, beta2, eps, weight decay, bias
+            # correction, then the weight, its gradient and the moments); lr 0 and a zero gradient change nothing.
             optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, 0.0, beta1, beta2, 1.0, 0.0, True, *stand_in)
 
 

@@ -2048,6 +2048,27 @@ def test_prepare_refuses_a_compiled_module_naming_the_engines_own_compile(clean_
             strategy.prepare(item)
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_engine_compiled_after_prepare_trains_like_the_eager_one_and_saves_the_plain_names(tmp_path, stage):
+    """The README's way to torch.compile: engine.compile() on what prepare returns (inductor, on the CPU)."""
+    final = {}
+    with in_this_process():
+        strategy = new_strategy(stage, train_batch_size=MICRO * ACCUM)
+        for compiled in (False, True):
+            engine, optimizer, scheduler = prepared(strategy)
+            if compiled:
+                engine.compile()
+            train(strategy, engine, optimizer, scheduler, strategy.setup_dataloader(make_dataset(), MICRO), 3)
+            strategy.save_ckpt(engine, str(tmp_path / str(compiled)))
+            final[compiled] = full_params(engine)
+    record = json.loads(next((tmp_path / "True").glob(f"*/{DONE_FILE}")).read_text())
+    assert sorted(record["tensors"]) == sorted(dict(make_model().named_parameters()))  # no "_orig_mod." prefix
+    moved = max((final[False][n] - p).abs().max().item() for n, p in make_model().named_parameters())
+    differs = max((final[True][n] - final[False][n]).abs().max().item() for n in final[False])
+    assert differs < 1e-4 < moved, (differs, moved)  # inductor's kernels sum in another order
+
+
 def test_adam_offload_with_a_loops_own_optimizer_is_refused_at_prepare_naming_create_optimizer(clean_launch_env):
     """nanoGPT's configure_optimizers builds torch's AdamW: DeepSpeed refused it inside deepspeed.initialize with
     advice about ds_config keys the strategy does not expose."""

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-__version__ = "0.22.0"
+__version__ = "0.23.0"
 
 # -------------------------------------------------------------------------------------------------------------
 # Defaults of the flags. get_strategy() reads each flag once, falling back to these; the constructor uses the same
@@ -1133,19 +1133,22 @@ ARRIVAL_WARNING = timedelta(minutes=1)  # how long a rank waits at a call every 
 ARRIVALS = {}  # {call: how many times this process made it}: every rank makes such calls in the same order
 
 
-def every_rank_arrives(strategy, call: str) -> None:
-    """Wait at the entry of call (save_ckpt, load_ckpt or save_model), which every rank must make, until every rank
-    has made it: each rank appends its number to one key of the process group's store, and reads it back until all
-    are there. A rank that has waited ARRIVAL_WARNING says which ranks have not come and why they must, and waits on
-    (a rank that is only slow fails nothing) until the process group's timeout: a script that saves on rank 0 alone
-    would otherwise hang in silence, inside DeepSpeed. The store is read, not waited on: a wait would hold its
-    connection, which other threads share, until it ends."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+def wait_to_start(strategy, call=None) -> None:
+    """Before a call of the checkpoint part starts: wait for the background save in flight (wait_for_save: one save
+    at a time, and it raises at once where a rank died); and where call names one every rank must make (save_ckpt,
+    load_ckpt, save_model), for every rank to make it. For that, each rank first appends its number to one key of the
+    process group's store, then reads the key until every rank is there. A rank that has waited ARRIVAL_WARNING says
+    which ranks have not come and why they must, and waits on (a rank that is only slow fails nothing) until the
+    process group's timeout: a script that saves on rank 0 alone would otherwise hang in silence, inside DeepSpeed.
+    The store is read, not waited on: a wait would hold its connection, which other threads share, until it ends."""
+    if call is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return wait_for_save(strategy)
     store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     ARRIVALS[call] = ARRIVALS.get(call, 0) + 1
-    key, started, warned = f"get_strategy/{call}/{ARRIVALS[call]}", time.monotonic(), False
-    store.append(key, f"{dist.get_rank()},")
+    key = f"get_strategy/{call}/{ARRIVALS[call]}"
+    store.append(key, f"{dist.get_rank()},")  # first: no rank is taken for absent while it waits for its own save
+    wait_for_save(strategy)
+    started, warned = time.monotonic(), False
     rule = f"every rank must call {call}, and at ZeRO 3 run every forward pass (a call on rank 0 alone waits here)"
     while True:
         arrived = {int(rank) for rank in store.get(key).decode().split(",") if rank}  # "0,1,": ranks 0 and 1
@@ -1193,9 +1196,7 @@ class Checkpoints:
     save_model and load_model each make one and hand it their arguments."""
 
     def __init__(self, strategy: DeepspeedStrategy, model, call=None):
-        if call is not None:  # first: no rank is taken for absent while it waits for its own background save
-            every_rank_arrives(strategy, call)
-        wait_for_save(strategy)  # one save in flight: a background one ends (or raises) before anything else starts
+        wait_to_start(strategy, call)  # call: the name of a call every rank makes, or None
         self.strategy, self.print = strategy, strategy.print
         self.rank, self.world_size = strategy.get_rank(), strategy.world_size
         # The engine (or the module itself if it was never prepared), and the plain module inside it.

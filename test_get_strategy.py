@@ -1,7 +1,7 @@
 """Tests for get_strategy.py and train_example.py, read as a specification: each test's name states a behaviour.
 
-Run them with:  python -m pytest -q test_get_strategy.py            (the quick tier, under a minute on 2 cores)
-          and:  python -m pytest -q test_get_strategy.py -m full    (the second tier, seven to nine minutes)
+Run them with:  python -m pytest -q test_get_strategy.py            (the quick tier, about two minutes on 2 cores)
+          and:  python -m pytest -q test_get_strategy.py -m full    (the second tier, about fifteen minutes)
 
 Every claim is checked against an independent reference (plain single-process PyTorch, a hand computation, an
 uninterrupted run, module.state_dict()) with real DeepSpeed on the CPU (gloo). Nothing here ran on a GPU: there, the
@@ -30,9 +30,20 @@ The quick tier, the specification of the core, establishes:
   path, a read error while checking and client_state keys of DeepSpeed's own are refused on every rank; once
   load_ckpt returns no checkpoint file stays mapped; a failed save leaves nothing on a node of its own.
 - Saves in the background: save_ckpt returns before anything is written, training goes on while the write runs,
-  and the load gives the state at the call to the bit; one snapshot's buffers, reused, of the bytes per parameter
-  the README gives; a write that fails on one rank raises on every rank at the next call and changes nothing; the
-  flag is read from args.
+  and the load gives the state at the call to the bit; its checkpoint holds what a synchronous save's does, storage
+  for storage, and loads the same objects back (a Parameter, requires_grad, one tensor under two keys, a view); one
+  snapshot's buffers, reused, of the bytes per parameter the README gives, and no larger than the last save's files
+  after a save with more; a write that fails on one rank raises on every rank at the next call and changes nothing;
+  the flag is read from args. On 2 ranks started by hand, with a slowed disk: SIGINT during a wait for the save, then
+  the emergency save a trainer makes, both committed and loading the weights at their calls; a SIGTERM handler's
+  sys.exit(143) during a wait, the processes exiting 143 once the save is committed; a failed last save at exit
+  making both exit 1 after the script's own exit handlers.
+- Calls every rank must make: a rank waiting at save_ckpt for a rank that comes late says so, naming it, and the
+  save goes on; one that never comes is named again at the timeout. Checkpoints go in the order their records say,
+  whatever their files' times. prepare gives every rank rank 0's weights at every stage; without a scheduler a
+  learning rate set by hand trains like plain PyTorch; prepare refuses a torch.compile()d module and, with
+  adam_offload, another optimizer than DeepSpeedCPUAdam; any object with attributes serves as args. The example
+  writes one JSON line per logged step, with what it printed.
 - Saves that fail and damaged files: a write that fails on rank 0, rank 1 or both (a file-size limit) and a disk
   that fills (a tmpfs) make every rank raise within seconds naming the rank, the file and the free space, give the
   space back, and each leaves the previous checkpoint loadable; a truncated file, a

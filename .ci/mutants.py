@@ -91,7 +91,7 @@ MUTANTS = {
     ),
     "failed_write_not_shared": (
         "a failed write on one rank stops the commit on every rank",
-        "problem = next((failed for failed, _ in every_rank if failed), None)",
+        "problem = next((failed for failed, _, _ in every_rank if failed), None)",
         "problem = every_rank[self.rank][0]",
     ),
     "crc_not_compared": (
@@ -106,13 +106,28 @@ MUTANTS = {
     ),
     "snapshot_not_copied": (
         "a background save writes the state at its call, not what training made of it since",
-        "self.copies.append(buffer.copy_(tensor.detach(), non_blocking=True))",
-        "self.copies.append(tensor.detach())",
+        "buffer.untyped_storage().copy_(storage, non_blocking=True)",
+        "pass  # the buffer keeps what it held",
     ),
     "rank_0s_model_states_for_all": (
         "at ZeRO 3 each rank resumes its own buffers and client_state",
         'own = rank if rank < self.done["world_size"] else 0',
         "own = 0",
+    ),
+    "pending_cleared_before_the_wait": (
+        "a wait for a background save that a signal interrupts leaves the save in flight",
+        "        pending.done.wait()\n        strategy.pending_save = None\n",
+        "        strategy.pending_save = None\n        pending.done.wait()\n",
+    ),
+    "order_by_file_time": (
+        "checkpoints go in the order their records were committed, not by their files' times",
+        "return sequence, os.path.getmtime(os.path.join(folder, DONE_FILE)), tag",
+        "return 0, os.path.getmtime(os.path.join(folder, DONE_FILE)), tag",
+    ),
+    "buffers_never_shrink": (
+        "a background save's buffers are as large as its own files' storages",
+        "writer.buffers = files.copies",
+        "writer.buffers = files.copies + writer.buffers[len(files.copies) :]",
     ),
     "bad_zero_stage_accepted": (
         "a bad flag is refused before any process group",

@@ -382,7 +382,7 @@ def save_big_model(check):
         tag = f"big_{save}"
         measure(check, f"background_{save}_stopped", strategy.save_ckpt, engine, check.folder, tag, background=True)
         measure(check, f"background_{save}_committed", wait_for_save, strategy)
-    buffers = engine.checkpoint_engine.buffers.values()  # the snapshot's, in pinned memory on a GPU
+    buffers = engine.checkpoint_engine.buffers  # the snapshot's, in pinned memory on a GPU
     check.figures["snapshot_gb"] = round(sum(b.numel() * b.element_size() for b in buffers) / 1e9, 2)
     if ON_GPU and hasattr(torch.cuda, "host_memory_stats"):  # what the pinned allocator holds, rounded as it rounds
         stats = torch.cuda.host_memory_stats()  # its key for the bytes held: allocated_bytes(.all).current

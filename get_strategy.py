@@ -775,7 +775,8 @@ def refuse_what_prepare_cannot_wrap(model, optimizer=None, adam_offload=False) -
         fix = "pass the model itself, and compile the engine prepare returns: engine.compile()"
         raise ValueError(f"prepare got a module torch.compile() wrapped: {fix}")
     if adam_offload and not isinstance(optimizer, deepspeed.ops.adam.DeepSpeedCPUAdam):
-        why = f"--adam_offload steps Adam on the CPU with DeepSpeedCPUAdam, and prepare got {type(optimizer).__name__}"
+        why = "--adam_offload steps Adam on the CPU with DeepSpeedCPUAdam, which load_ckpt resumes, and prepare got"
+        why += f" {type(optimizer).__name__}"
         fix = "build it with strategy.create_optimizer(model, lr=..., weight_decay=...) (no decay on biases and norms)"
         raise ValueError(f"{why}: {fix}, or drop --adam_offload")
 
@@ -989,7 +990,9 @@ class OwnFiles:
 
     def __init__(self, staging, background, rank, buffers, holds):
         self.staging, self.background, self.rank = staging, background, rank
-        self.buffers = buffers  # an earlier background save's copies, reused where a storage's size matches
+        self.spare = {}  # {size: an earlier background save's copies of that size}, which this save's reuse
+        for buffer in buffers:
+            self.spare.setdefault(buffer.numel(), []).append(buffer)
         self.holds = holds  # at ZeRO 1-2, {parameter: [first element, length]} its optimizer file holds (the record's)
         self.copies = []  # this save's copies, one per storage, in order
         self.queued = []  # (path, the state as snapshot() copied it), waiting to be written
@@ -1023,16 +1026,12 @@ class OwnFiles:
             storage = value._untyped_storage if typed else value
             if storage._cdata not in indexes:
                 indexes[storage._cdata] = self.copy(storage)
-            return indexes[storage._cdata], value.dtype if typed else None
+            return indexes[storage._cdata], value.dtype if typed else torch.uint8
 
-        def persistent_load(saved):  # the copy, typed as the original was
+        def persistent_load(saved):  # the copy, typed as the original was (as torch.load types it: bytes if untyped)
             index, dtype = saved
             copied = self.copies[index].untyped_storage()
-            return (
-                copied
-                if dtype is None
-                else torch.storage.TypedStorage(wrap_storage=copied, dtype=dtype, _internal=True)
-            )
+            return torch.storage.TypedStorage(wrap_storage=copied, dtype=dtype, _internal=True)
 
         pickled = io.BytesIO()
         pickler = pickle.Pickler(pickled)
@@ -1043,12 +1042,10 @@ class OwnFiles:
         return unpickler.load()
 
     def copy(self, storage) -> int:
-        """Copy storage into this save's next buffer (the earlier save's, where it has the size); its index."""
-        index = len(self.copies)
-        buffer = self.buffers[index] if index < len(self.buffers) else None
-        if buffer is None or buffer.numel() != storage.nbytes():
-            pinned = get_accelerator().device_name() != "cpu"  # pinned: copied by DMA, without the host waiting
-            buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        """Copy storage into this save's next buffer (an earlier save's of its size, if one is spare); its index."""
+        index, spare = len(self.copies), self.spare.get(storage.nbytes())
+        pinned = get_accelerator().device_name() != "cpu"  # pinned: copied by DMA, without the host waiting
+        buffer = spare.pop(0) if spare else torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
         buffer.untyped_storage().copy_(storage, non_blocking=True)
         self.copies.append(buffer)
         return index
@@ -1117,7 +1114,7 @@ class BackgroundSave(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        if sys.platform == "linux":
+        if sys.platform == "linux" and threading.current_thread() is self:  # not where wait_for_save runs it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             self.problem = self.finish(self.group)
@@ -1129,38 +1126,36 @@ class BackgroundSave(threading.Thread):
         self.done.set()
 
 
-ARRIVAL_WARNING = timedelta(minutes=1)  # how long a rank waits at a call every rank must make before it says so
+ARRIVAL_WARNING = timedelta(minutes=1)  # how long a rank waits at a call every rank must make before it goes on
 ARRIVALS = {}  # {call: how many times this process made it}: every rank makes such calls in the same order
 
 
 def wait_to_start(strategy, call=None) -> None:
     """Before a call of the checkpoint part starts: wait for the background save in flight (wait_for_save: one save
     at a time, and it raises at once where a rank died); and where call names one every rank must make (save_ckpt,
-    load_ckpt, save_model), for every rank to make it. For that, each rank first appends its number to one key of the
-    process group's store, then reads the key until every rank is there. A rank that has waited ARRIVAL_WARNING says
-    which ranks have not come and why they must, and waits on (a rank that is only slow fails nothing) until the
-    process group's timeout: a script that saves on rank 0 alone would otherwise hang in silence, inside DeepSpeed.
-    The store is read, not waited on: a wait would hold its connection, which other threads share, until it ends."""
-    if call is None or not dist.is_initialized() or dist.get_world_size() == 1:
-        return wait_for_save(strategy)
-    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-    ARRIVALS[call] = ARRIVALS.get(call, 0) + 1
-    key = f"get_strategy/{call}/{ARRIVALS[call]}"
-    store.append(key, f"{dist.get_rank()},")  # first: no rank is taken for absent while it waits for its own save
+    load_ckpt, save_model), wait a while for every rank to make it. For that, each rank appends its number to one key
+    of the process group's store, then reads the key until every rank is there. After ARRIVAL_WARNING it says which
+    ranks have not come and why they must, and goes on into the call, whose collectives wait for the others (a rank
+    only slow fails nothing) or fail at once where one died. A script that saves on rank 0 alone would otherwise hang
+    in silence inside DeepSpeed. The store is read, not waited on: a wait would hold its connection, which other
+    threads share, until it ends."""
     wait_for_save(strategy)
-    started, warned = time.monotonic(), False
-    rule = f"every rank must call {call}, and at ZeRO 3 run every forward pass (a call on rank 0 alone waits here)"
+    if call is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ARRIVALS[call] = ARRIVALS.get(call, 0) + 1
+    key, rank = f"get_strategy/{call}/{ARRIVALS[call]}", dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    store.append(key, f"{rank},")
+    started = time.monotonic()
     while True:
-        arrived = {int(rank) for rank in store.get(key).decode().split(",") if rank}  # "0,1,": ranks 0 and 1
-        missing, waited = sorted(set(range(world_size)) - arrived), time.monotonic() - started
+        arrived = {int(r) for r in store.get(key).decode().split(",") if r}  # "0,1,": ranks 0 and 1
+        missing, waited = sorted(set(range(dist.get_world_size())) - arrived), time.monotonic() - started
         if not missing:
             return
-        if waited > strategy.timeout.total_seconds():
-            ARRIVALS[call] -= 1  # it raised before it did anything: as if never made
-            raise RuntimeError(f"{call}: ranks {missing} did not call it within {strategy.timeout}: {rule}")
-        if waited > ARRIVAL_WARNING.total_seconds() and not warned:
-            print(f"rank {dist.get_rank()} has waited {waited:.0f} s in {call} for ranks {missing}: {rule}", flush=True)
-            warned = True
+        if waited > ARRIVAL_WARNING.total_seconds():
+            rule = f"every rank must call {call}, and at ZeRO 3 run every forward pass (a call on rank 0 alone hangs)"
+            print(f"rank {rank} has waited {waited:.0f} s in {call} for ranks {missing}: {rule}", flush=True)
+            return
         time.sleep(min(1.0, max(0.001, waited / 2)))  # soon for ranks a moment apart, then once a second
 
 
@@ -1170,6 +1165,8 @@ def wait_for_save(strategy) -> None:
     the next call waits for it again, and so does the interpreter's exit."""
     pending = strategy.pending_save
     if pending is not None:
+        if pending.ident is None:  # never started (Ctrl-C just before start(), or no thread to be had): run it here
+            pending.run()
         pending.done.wait()
         strategy.pending_save = None
         if pending.problem:
@@ -1179,9 +1176,10 @@ def wait_for_save(strategy) -> None:
 
 def exit_if_a_save_failed_unseen() -> None:
     """At the interpreter's exit, after it waited for every background save's thread: a save that failed, which no
-    call raised, ends the process with exit code 1, its reason printed by the thread. Registered as this file is
-    imported, so that it runs after the exit handlers registered later (Python runs the newest first): a script's
-    own (a tracker's final sync) run before it."""
+    call raised, ends the process with exit code 1 (also where the script exited with another), its reason printed
+    by the thread. Registered as this file is imported, so that it runs after the exit handlers registered later
+    (Python runs the newest first): a script's own (a tracker's final sync) run before it. os._exit, the one way to
+    set the code this late, skips those registered before (logging's, whose handlers flush every record anyway)."""
     if BackgroundSave.unseen:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)
@@ -1278,7 +1276,12 @@ class Checkpoints:
             if self.strategy.save_group is None:  # a collective of every rank, on the calling thread
                 self.strategy.save_group = dist.new_group(backend="gloo", timeout=self.strategy.timeout)
             self.strategy.pending_save = BackgroundSave(finish, self.strategy.save_group, tag, self.rank)
-            self.strategy.pending_save.start()
+            try:
+                self.strategy.pending_save.start()
+            except (
+                RuntimeError
+            ):  # no thread to be had ("can't start new thread"): it finishes here, as a foreground save
+                wait_for_save(self.strategy)
         else:
             problem = finish(group=None)
             if problem:
@@ -1717,7 +1720,7 @@ class Checkpoints:
             with open(os.path.join(path, DONE_FILE)) as f:
                 done = json.load(f)
             crc = done.pop("crc")
-        except (ValueError, KeyError, AttributeError):  # not JSON, not a dict, no crc
+        except (ValueError, KeyError, AttributeError, TypeError):  # not JSON, not a dict, no crc
             return None
         return done if crc == self._record_crc(done) else None
 

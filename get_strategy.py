@@ -722,10 +722,9 @@ def openrlhf_flags(args) -> dict:
     """For get_strategy: refuses OpenRLHF's nested flags (0.10.2 on), a feature this file leaves out, and fp16;
     returns the strategy's flags that OpenRLHF's names give (--param_dtype bf16, from 0.9.2 on, is --bf16)."""
     if hasattr(getattr(args, "ds", None), "zero_stage"):  # args.ds.zero_stage: flags nested by their group
+        why = "OpenRLHF 0.10.2 and later nest flags (args.ds.zero_stage), which this file does not read"
         fix = "pass them flat (args.zero_stage), as up to OpenRLHF 0.10.1, or use OpenRLHF's own strategy"
-        raise ValueError(
-            f"OpenRLHF 0.10.2 and later nest flags (args.ds.zero_stage), which this file does not read: {fix}"
-        )
+        raise ValueError(f"{why}: {fix}")
     for flag, (off, feature) in LEFT_OUT.items():
         value = getattr(args, flag, off)
         if value != off:
@@ -776,9 +775,8 @@ def refuse_what_prepare_cannot_wrap(model, optimizer=None, adam_offload=False) -
         raise ValueError(f"prepare got a module torch.compile() wrapped: {fix}")
     if adam_offload and not isinstance(optimizer, deepspeed.ops.adam.DeepSpeedCPUAdam):
         why = "--adam_offload steps Adam on the CPU with DeepSpeedCPUAdam, which load_ckpt resumes, and prepare got"
-        why += f" {type(optimizer).__name__}"
         fix = "build it with strategy.create_optimizer(model, lr=..., weight_decay=...) (no decay on biases and norms)"
-        raise ValueError(f"{why}: {fix}, or drop --adam_offload")
+        raise ValueError(f"{why} {type(optimizer).__name__}: {fix}, or drop --adam_offload")
 
 
 def update_ema(strategy, model, model_ema, beta: float, device) -> None:
@@ -975,9 +973,8 @@ class DurableWriter(TorchCheckpointEngine):
 
     def save(self, state_dict, path: str) -> None:
         if self.files is None:
-            torch.save(state_dict, path)
-        else:
-            self.files.add(state_dict, path)
+            return torch.save(state_dict, path)
+        self.files.add(state_dict, path)
 
 
 class OwnFiles:
@@ -1001,9 +998,8 @@ class OwnFiles:
 
     def add(self, state, path) -> None:
         if self.background:
-            self.attempt(path, lambda: self.queued.append((path, self.snapshot(state))))
-        else:
-            self.attempt(path, self.write_file, state, path)
+            return self.attempt(path, lambda: self.queued.append((path, self.snapshot(state))))
+        self.attempt(path, self.write_file, state, path)
 
     def attempt(self, path, function, *args) -> None:
         if self.failed is None:
@@ -1278,9 +1274,7 @@ class Checkpoints:
             self.strategy.pending_save = BackgroundSave(finish, self.strategy.save_group, tag, self.rank)
             try:
                 self.strategy.pending_save.start()
-            except (
-                RuntimeError
-            ):  # no thread to be had ("can't start new thread"): it finishes here, as a foreground save
+            except RuntimeError:  # no thread to be had ("can't start new thread"): it finishes here, a foreground save
                 wait_for_save(self.strategy)
         else:
             problem = finish(group=None)

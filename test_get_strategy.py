@@ -5360,8 +5360,8 @@ def run_background_signals(out_dir):
     batches = iter(strategy.setup_dataloader(make_dataset(), MICRO))
     ckpt, fsync = os.path.join(out_dir, "ckpt"), get_strategy_module.fsync
 
-    def slowly(path):  # a slow disk under the background saves: each is still writing when the signal comes
-        time.sleep(0.5 if f"{os.sep}a.saving" in str(path) or f"{os.sep}c.saving" in str(path) else 0)
+    def slowly(path):  # a slow disk under the background saves (seconds): still writing when the signal comes
+        time.sleep(1.0 if f"{os.sep}a.saving" in str(path) or f"{os.sep}c.saving" in str(path) else 0)
         fsync(path)
 
     def save(tag, **kwargs):

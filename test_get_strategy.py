@@ -2888,9 +2888,10 @@ def test_unigram_baseline_is_the_cross_entropy_under_add_one_byte_frequencies():
 
 
 @pytest.mark.full
-def test_deepspeed_launcher_without_num_gpus_runs_one_cpu_process_that_learns_in_bf16():
+def test_deepspeed_launcher_without_num_gpus_runs_one_cpu_process_that_learns_in_bf16(tmp_path):
     launcher = [PYTHON, DEEPSPEED, "--master_port", str(free_port())]
-    assert_learns(run_example([*launcher, "train_example.py", *TINY, "--zero_stage", "2", "--bf16"]), ranks=1)
+    flags = [*TINY, "--zero_stage", "2", "--bf16", "--ckpt_path", str(tmp_path)]  # not the repository's ckpt/
+    assert_learns(run_example([*launcher, "train_example.py", *flags]), ranks=1)
 
 
 @pytest.fixture(scope="module")
@@ -3262,11 +3263,12 @@ class CopyRecorder(torch.Tensor):
         return super().to(*args, **kwargs).as_subclass(torch.Tensor)
 
 
-def run_example_in_process(accelerator_name, stop_at_loader):
-    """main() of train_example.py on TINY for 2 steps in this process; returns the pin_memory it passed for the
-    train loader. Every batch the loader yields records its copies in CopyRecorder.copies. accelerator_name is
-    what the example (only it) is told the accelerator is called; stop_at_loader ends the run once the loader is
-    set up, so that a name that is not this machine's trains nothing."""
+def run_example_in_process(accelerator_name, stop_at_loader, ckpt):
+    """main() of train_example.py on TINY for 2 steps in this process, its checkpoints and figures in ckpt; returns
+    the pin_memory it passed for the train loader. Every batch the loader yields records its copies in
+    CopyRecorder.copies. accelerator_name is what the example (only it) is told the accelerator is called;
+    stop_at_loader ends the run once the loader is set up, so that a name that is not this machine's trains
+    nothing."""
     import train_example
 
     pinned = []
@@ -3284,7 +3286,8 @@ def run_example_in_process(accelerator_name, stop_at_loader):
             yield [tensor.as_subclass(CopyRecorder) for tensor in batch]
 
     CopyRecorder.copies = []
-    args = train_example.parse_args([*TINY, "--zero_stage", "0", "--max_steps", "2", "--eval_steps", "2"])
+    flags = ["--zero_stage", "0", "--max_steps", "2", "--eval_steps", "2", "--ckpt_path", str(ckpt)]
+    args = train_example.parse_args([*TINY, *flags])
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.MonkeyPatch.context() as patch:
         named = NamedAccelerator(train_example.get_accelerator(), accelerator_name)
@@ -3304,18 +3307,26 @@ def run_example_in_process(accelerator_name, stop_at_loader):
 
 
 @pytest.mark.usefixtures("clean_launch_env")
-def test_the_example_pins_its_batches_only_off_the_cpu_and_copies_each_without_blocking():
+def test_the_example_pins_its_batches_only_off_the_cpu_and_copies_each_without_blocking(tmp_path):
     """Pinned memory lets a copy to an accelerator run while the host goes on; on a machine without one torch warns
     that it pins nothing. Told its accelerator is a GPU, the example asks for pinned memory (it stops there: this
     machine trains on its CPU); on the CPU it does not, trains without a warning about it, and copies every
-    micro-batch with non_blocking."""
-    assert run_example_in_process("cuda", stop_at_loader=True) is True
+    micro-batch with non_blocking. It writes into its own folder: the repository's ckpt/, where the README's first
+    command keeps its figures, stays as it was."""
+    ours = os.path.join(HERE, "ckpt")
+
+    def listing():  # {name: modification time} of the repository's ckpt/
+        return {e.name: e.stat().st_mtime_ns for e in os.scandir(ours)} if os.path.isdir(ours) else None
+
+    before = listing()
+    assert run_example_in_process("cuda", stop_at_loader=True, ckpt=tmp_path / "cuda") is True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert run_example_in_process("cpu", stop_at_loader=False) is False
+        assert run_example_in_process("cpu", stop_at_loader=False, ckpt=tmp_path / "cpu") is False
     assert not [w for w in caught if "pin_memory" in str(w.message)], [str(w.message) for w in caught]
     # 2 steps x 4 micro-batches (TINY: 8 sequences a step, 2 per micro-batch, one rank), an input and a target each
     assert CopyRecorder.copies == [True] * 16, CopyRecorder.copies
+    assert listing() == before, (before, listing())
 
 
 # =============================================================================================================

@@ -24,6 +24,7 @@ import runpy
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -56,6 +57,7 @@ def run(variant: str, steps: int, tiny: bool):
     flags = f"--zero_stage 2 --max_steps {steps} --logging_steps {steps} --eval_steps {steps} --eval_batches 1"
     flags += f" {TINY}" if tiny else ""
     flags += " --full_determinism" if variant != "normal" else ""
+    flags += f" --ckpt_path {tempfile.mkdtemp()}"  # its figures, not into the first command's ckpt/
     script = [os.path.abspath(__file__), NAN_FILLED] if variant == "nan_filled" else ["train_example.py"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *script, *flags.split()]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}

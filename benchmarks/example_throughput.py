@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +23,7 @@ def tokens_per_second(nproc: int, stage: int, bf16: bool, steps: int) -> float:
     flags = f"--zero_stage {stage} --max_steps {steps} --logging_steps {steps} --eval_steps {steps} --eval_batches 1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "train_example.py"]
     cmd += flags.split() + (["--bf16"] if bf16 else [])
+    cmd += ["--ckpt_path", tempfile.mkdtemp()]  # its figures, not into the first command's ckpt/
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
     done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     found = re.findall(r"\| ([\d,]+) tokens/s", done.stdout)

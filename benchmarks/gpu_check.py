@@ -412,7 +412,7 @@ def check_example(check, name):
     # A process of its own, started as plain python: without this process's rendezvous variables it makes its world.
     ours = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUBLAS_WORKSPACE_CONFIG")
     env = {key: value for key, value in os.environ.items() if key not in ours}
-    cmd = [sys.executable, "train_example.py", *flags]
+    cmd = [sys.executable, "train_example.py", *flags, "--ckpt_path", tempfile.mkdtemp()]  # not the repository's ckpt/
     done = subprocess.run(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180
     )

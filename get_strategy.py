@@ -579,8 +579,9 @@ class DeepspeedStrategy:
         """Resume load_dir's newest checkpoint (or tag) in this run's shape, whatever the saving run's; returns
         (load_path, client_state), or (None, {}) where load_dir holds none. All ranks call it (Checkpoints.load).
         Load only checkpoints you trust: DeepSpeed unpickles its files, so a crafted one runs code as it loads."""
-        options = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        return Checkpoints(self, model, "load_ckpt").load(load_dir, tag, *options)
+        options = dict(strict=load_module_strict, load_module_only=load_module_only)
+        options.update(load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states)
+        return Checkpoints(self, model, "load_ckpt").load(load_dir, tag, **options)
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """Write the full weights to output_dir, for use outside training (Checkpoints.save_model)."""
@@ -1548,7 +1549,7 @@ class Checkpoints:
     # ---------------------------------------------------------------------------------------------------------
     # Loading
 
-    def load(self, load_dir, tag, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only):
+    def load(self, load_dir, tag, *, strict, load_optimizer_states, load_lr_scheduler_states, load_module_only):
         """Load a checkpoint into a prepared engine and restore this rank's random generators; returns (load_path,
         client_state), or (None, {}) when load_dir holds no checkpoint at all (a run that starts afresh). All ranks
         must call it. In order:

@@ -696,8 +696,9 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
 
 # ============================================ A learner can stop reading here: everything above trains. ========
 # What crosses this line, all defined below: save_ckpt, load_ckpt, save_model, load_model and teardown hand their work
-# to the checkpoint part (teardown waits for a background save there); every method reaches the engine through an
-# OpenRLHF Actor's functions (engine_of, in_actor), which pass a plain engine through unchanged; get_strategy reads
+# to the checkpoint part (teardown waits for a background save there, which alone uses the strategy's timeout,
+# pending_save and save_group); the methods taking a model reach its engine through engine_of, and prepare returns
+# through in_actor (an OpenRLHF Actor's functions, which pass a plain engine through unchanged); get_strategy reads
 # OpenRLHF's flags (openrlhf_flags); prepare refuses what DeepSpeed would take wrongly
 # (refuse_what_prepare_cannot_wrap); moving_average is update_ema. The second part: OpenRLHF's contracts, then
 # checkpoints and model weights, what a run needs to survive being stopped, moved and restarted.
@@ -802,7 +803,7 @@ def update_ema(strategy, model, model_ema, beta: float, device) -> None:
 # -------------------------------------------------------------------------------------------------------------
 # Checkpoints and model weights.
 #
-# A checkpoint is a folder in save_dir holding four kinds of saved state, each named once below:
+# A checkpoint is a folder in save_dir holding four kinds of saved state (their file names: the constants below):
 #   - DeepSpeed's model states (mp_rank_00_model_states.pt; at ZeRO 3 one per rank, its own buffers and
 #     client_state too): the module's weights, the scheduler, the counters and client_state, and at ZeRO 0 the
 #     optimizer's state too;
@@ -815,7 +816,8 @@ def update_ema(strategy, model, model_ema, beta: float, device) -> None:
 # The table: every entry a save_dir can hold, and what load_ckpt(tag=None), save_ckpt and rotation do with it. A
 # save or a delete changes one entry at a time, by one rename or one record, so wherever it is cut short (a crash, a
 # power cut) save_dir holds rows of this table and nothing else. The rows marked * are working entries: every save
-# starts by settling them (step 1 below), so the rotation that ends a save never meets one.
+# starts by settling them (step 1 below), so the rotation that ends a save never meets one. The save_ckpt column says
+# what a save does to the entry its tag names, but on the rows marked *, which it settles whatever their tag.
 #
 #     entry in save_dir                what it is                          load_ckpt(tag=None)  save_ckpt    rotation
 #     <tag>/ with a record             checkpoint <tag>                    a candidate          replaces it  deletes it
@@ -824,12 +826,14 @@ def update_ema(strategy, model, model_ema, beta: float, device) -> None:
 #   * <tag>.saving/ without a record   a save cut short, or under way      ignored              deletes it   (settled)
 #                                      (a background save's thread writes)
 #   * <name>.deleting/                 a delete cut short                  ignored              deletes it   (settled)
-#     <tag>/ without a record          not this file's: a plain DeepSpeed  refused by name, if  refuses it   never
-#                                      checkpoint, a folder of yours       no checkpoint is
+#     <tag>/ without a record          not this file's: a plain DeepSpeed  a plain one refused  refuses it   never
+#                                      checkpoint, a folder of yours       by name where no
+#                                                                          checkpoint is; yours
+#                                                                          ignored
 #     a link, anything else            not this file's to change           a candidate if it    refuses it   never
 #                                                                          links to one
 #     latest (a file)                  the tag to resume, written by save_ckpt (DeepSpeed's own load reads it too)
-#     latest.tmp (a file)              a write of latest cut short         ignored              replaces it  (settled)
+#     latest.tmp (a file)              a write of latest cut short         ignored              replaces it  never
 #
 # A save deletes or renames only folders holding checkpoint files alone (CHECKPOINT_FILES), never a link; a delete
 # renames the folder to <name>.deleting, then removes its files. Saving, step by step (Checkpoints.save):
@@ -984,7 +988,7 @@ class OwnFiles:
     background, its state is copied into CPU memory instead (snapshot), for write_queued() to write on the save's
     thread. A failed write is noted, and every write after it skipped, instead of raised: raised, it would take this
     rank out of the barriers inside DeepSpeed's save_checkpoint while the others waited there for the process
-    group's timeout; noted, it reaches every rank at the agreement after the save."""
+    group's timeout; noted, it reaches every rank at step 3's agreement (finish, in Checkpoints.save)."""
 
     def __init__(self, staging, background, rank, buffers, holds):
         self.staging, self.background, self.rank = staging, background, rank
@@ -1012,14 +1016,15 @@ class OwnFiles:
     def snapshot(self, state):
         """state as it is now, for training to change the original meanwhile: pickled as torch.save pickles it, each
         storage (the memory under one tensor or several) copied once into a CPU buffer, on a GPU without waiting
-        (save_ckpt waits once for all). So Parameters, requires_grad, one tensor under two names and views of one
-        storage come back as a synchronous save's do."""
+        (_save_own_files waits once for all, after DeepSpeed's save). So Parameters, requires_grad, one tensor
+        under two names and views of one storage come back as a synchronous save's do."""
         indexes = {}  # a storage's identity (_cdata, as torch.save keys it) -> its copy's index
 
         def persistent_id(value):  # a storage pickles as its copy's index and its dtype; anything else as pickle does
             if not isinstance(value, (torch.storage.TypedStorage, torch.UntypedStorage)):
                 return None
-            typed = isinstance(value, torch.storage.TypedStorage)  # a tensor's storage, but for the newest dtypes'
+            # A tensor pickles its storage as a TypedStorage; those of the newest dtypes (float8, uint16) bare.
+            typed = isinstance(value, torch.storage.TypedStorage)
             storage = value._untyped_storage if typed else value
             if storage._cdata not in indexes:
                 indexes[storage._cdata] = self.copy(storage)
@@ -1090,14 +1095,15 @@ class BackgroundSave(threading.Thread):
     waits for it. Its thread runs finish(): the writes (OwnFiles.write_queued), the agreement with the other ranks'
     threads and rank 0's commit, over a gloo process group of the strategy's own (every rank makes it at its first
     background save), never the training's, whose collectives, the calling thread's, these would interleave with. A
-    rank that died is noticed at once (its connection closes); one that hangs, at the group's timeout,
-    setup_distributed's. A failure is printed when it happens, and raised by the next call that waits.
+    rank that died is noticed at once (its connection closes); one that hangs, once the group's timeout (the one
+    setup_distributed was given) runs out. A failure is printed when it happens, and raised by the next call that
+    waits.
 
     Not a daemon: a process that ends without teardown() (OpenRLHF's trainers do not call it), also by an exception
-    or sys.exit() in a signal handler during a wait, finishes the save before the interpreter exits, with exit code 1
-    where it failed (exit_if_a_save_failed_unseen); one killed meanwhile leaves <tag>.saving without a record, a row
-    of the table. The thread runs at the lowest CPU priority (nice 19, on Linux a thread's own): its writes take the
-    CPU time training leaves."""
+    or sys.exit() in a signal handler during wait_for_save, finishes the save before the interpreter exits, with
+    exit code 1 where it failed (exit_if_a_save_failed_unseen); one killed meanwhile leaves <tag>.saving without a
+    record, a row of the table. The thread runs at the lowest CPU priority (nice 19, on Linux a thread's own): its
+    writes take the CPU time training leaves."""
 
     unseen = []  # the failed saves no call has raised yet, for the interpreter's exit
 
@@ -1157,9 +1163,10 @@ def wait_to_start(strategy, call=None) -> None:
 
 
 def wait_for_save(strategy) -> None:
-    """Wait for the strategy's background save in flight, if any; raise what failed in it (the same on every rank:
-    the ranks agreed on it). Interrupted (Ctrl-C, a signal handler that raises or exits), the save stays in flight:
-    the next call waits for it again, and so does the interpreter's exit."""
+    """Wait for the strategy's background save in flight, if any; raise what failed in it (the same on every rank,
+    which agreed on it; where the save's process group itself failed, this rank's own account). Interrupted
+    (Ctrl-C, a signal handler that raises or exits), the save stays in flight: the next call waits for it again,
+    and so does the interpreter's exit."""
     pending = strategy.pending_save
     if pending is not None:
         if pending.ident is None:  # never started (Ctrl-C just before start(), or no thread to be had): run it here
@@ -1207,10 +1214,10 @@ class Checkpoints:
         (one model too: a save_dir per model). The default tag is global_step<N>. Then checkpoints go until at most
         max_num and max_mem GiB remain (never the new one or latest's): those without a metric_value first, then
         the lowest metric_value (higher is better), then the oldest. As in OpenRLHF 0.10: a tag starting with
-        "best" is a best checkpoint, which max_num does not count and rotation never deletes, but max_mem counts;
-        only the newest best is kept. metric_value (with its metric_key, a name) is kept in the checkpoint's record;
-        a NaN or infinite one counts as none, with a warning (one evaluation that diverged must not cost a
-        checkpoint).
+        "best" is a best checkpoint, which max_num does not count and rotation never deletes to make room, but
+        max_mem counts; only the newest best is kept (rotation deletes the older ones). metric_value (with its
+        metric_key, a name) is kept in the checkpoint's record; a NaN or infinite one counts as none, with a warning
+        (one evaluation that diverged must not cost a checkpoint).
 
         With background, it returns once every rank holds a copy of its files' state in CPU memory (step 2 of the
         header), and a thread of this process (BackgroundSave) does the rest: the writes, the fsyncs, and the
@@ -1236,9 +1243,10 @@ class Checkpoints:
         reserved = [key for key in client_state if key in RESERVED_KEYS]
         if reserved and not problem:  # DeepSpeed merges client_state into its own entries, overwriting them
             problem = f"save_ckpt client_state key {reserved[0]!r} is one of DeepSpeed's own entries: rename it"
+        # With a problem already, the default tag is never built: an eval engine may have no global_steps.
         tag = str(tag) if tag is not None or problem else f"global_step{self.engine.global_steps}"
         self._raise_on_every_rank(problem or self._tag_problem(tag, "save_ckpt"), ValueError)
-        # Step 1, on rank 0; raised on every rank, which it also makes wait for the folder.
+        # Step 1, on rank 0; raised on every rank, and until it ends no rank writes: <tag>.saving exists.
         self._raise_on_every_rank(self._start(save_dir, tag, save_latest) if self.rank == 0 else None, RuntimeError)
         record = self._record(metric)  # what the record says besides the files, taken with the state
         files = self._save_own_files(save_dir, tag, client_state, background)  # step 2
@@ -1908,8 +1916,8 @@ class Checkpoints:
 # elements into this parameter: rank 1's Fragment of it is (name, start 20,000, offset 0 in its master, length
 # 111,584), and read_elements copies elements [20,000, 32,896) of the first piece and all of the other three into
 # the master, and likewise into Adam's moments. Last, update_lp_params() (every rank) gathers the ranges into each
-# rank's 16-bit weights. Which files rank 1 opens comes from the record: the saving ranks whose slices overlap
-# [20,000, 131,584) of this parameter, here all 4 (saved_ranks).
+# rank's 16-bit weights. Which files rank 1 opens follows from the shapes in the record: the saving ranks whose
+# slices overlap [20,000, 131,584) of this parameter, here all 4 (saved_ranks).
 #
 # In general: load_ckpt reads DeepSpeed's files itself, in every run shape, the saving run's too: one path, which
 # writes the fp32 masters whatever the options, fails on every rank alike (no collective runs until all have read),
@@ -1930,7 +1938,8 @@ class Checkpoints:
 #                                                                       bf16 optimizer_state_dict and fp32_groups
 #   ZeRO 1, 2          *zero_pp_rank_R_mp_rank_00_optim_states.pt       base_optimizer_state,
 #                                                                       single_partition_of_fp32_groups,
-#                                                                       param_slice_mappings; frozen: module
+#                                                                       param_slice_mappings
+#                      mp_rank_00_model_states.pt                       module (frozen parameters, buffers)
 #   ZeRO 3             the same, and zero_pp_rank_R_..._model_states.pt optimizer_state_dict, fp32_flat_groups;
 #                                                                       param_shapes, frozen_param_fragments,
 #                                                                       module (buffers), this file's UNHELD
@@ -2014,7 +2023,8 @@ class ReshapingReader:
     def load(self, loadable: set, optimizer_states: bool) -> dict:
         """Write the tensors named in loadable (the rest keep their values), and with optimizer_states (which needs
         an optimizer) the optimizer's state; returns the saved model states. Every check that can refuse comes
-        first, so a refusal leaves the engine as it was."""
+        first, so a refusal leaves the engine as it was (but for read_elements finding fewer elements than the
+        record says a file holds, which no undamaged checkpoint gives)."""
         fragments = list(self.owned_fragments()) if self.optimizer is not None else []
         fragments = [(fragment, master) for fragment, master in fragments if fragment.name in loadable]
         # The 16-bit weights of trained parameters come from their masters: written here where this rank holds
@@ -2037,6 +2047,10 @@ class ReshapingReader:
                 group.update({key: value for key, value in saved_group.items() if key not in switches})
             if isinstance(base, deepspeed.ops.adam.DeepSpeedCPUAdam):
                 replay_bias_corrections(base, self.step)
+        # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or capturable),
+        # DeepSpeedCPUAdam in an int.
+        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+        is_torch = type(base).__module__.startswith("torch.")
         for (name, start, offset, length), master in fragments:
             values = read_elements(self.pieces.get((name, "value"), []), start, length)  # none: padding alone
             master.view(-1)[offset : offset + length] = values
@@ -2048,11 +2062,7 @@ class ReshapingReader:
                         state[key] = torch.zeros_like(master)
                     values = read_elements(self.pieces.get((name, key), []), start, length, required=False)
                     state[key].view(-1)[offset : offset + length] = values
-                # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
-                # capturable), DeepSpeedCPUAdam in an int.
-                on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
                 device = master.device if on_device else "cpu"
-                is_torch = type(base).__module__.startswith("torch.")
                 state["step"] = torch.tensor(float(self.step), device=device) if is_torch else self.step
         for name, tensor in tensors:
             write_tensor(tensor, self.pieces.get((name, "value"), []))

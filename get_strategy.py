@@ -2047,10 +2047,10 @@ class ReshapingReader:
                 group.update({key: value for key, value in saved_group.items() if key not in switches})
             if isinstance(base, deepspeed.ops.adam.DeepSpeedCPUAdam):
                 replay_bias_corrections(base, self.step)
-        # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or capturable),
-        # DeepSpeedCPUAdam in an int.
-        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
-        is_torch = type(base).__module__.startswith("torch.")
+            # torch's optimizers count steps in a 0-d float tensor (on the weights' device when fused or
+            # capturable), DeepSpeedCPUAdam in an int.
+            on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+            is_torch = type(base).__module__.startswith("torch.")
         for (name, start, offset, length), master in fragments:
             values = read_elements(self.pieces.get((name, "value"), []), start, length)  # none: padding alone
             master.view(-1)[offset : offset + length] = values

@@ -5365,6 +5365,9 @@ def run_background_signals(out_dir):
     once both print "waiting"): SIGINT, after which the script saves again, as trainers do on KeyboardInterrupt;
     then SIGTERM under a handler that exits, as preemption handlers do, without teardown(). The weights at each
     call are written beside, for the test to compare with what loads."""
+    # Ctrl-C's KeyboardInterrupt, as a script started from a terminal gets it: a process started with SIGINT ignored
+    # (nohup, a background job of a shell script, as some CI runners start the tests) keeps ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     strategy = new_strategy(2)
     rank = strategy.get_rank()
     engine, optimizer, scheduler = prepared(strategy)

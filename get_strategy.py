@@ -190,8 +190,7 @@ class DeepspeedStrategy:
         self.seed, self.full_determinism, self.max_norm = seed, full_determinism, max_norm
         self.stage, self.bf16, self.adam_offload = zero_stage, bf16, adam_offload
         self.micro_train_batch_size, self.train_batch_size = micro_train_batch_size, train_batch_size
-        self.overlap_comm, self.grad_accum_dtype = overlap_comm, grad_accum_dtype
-        self.background_save = background_save
+        self.overlap_comm, self.grad_accum_dtype, self.background_save = overlap_comm, grad_accum_dtype, background_save
         self.local_rank = local_rank  # setup_distributed() replaces -1 with the launcher's value
         # Known after setup_distributed(): the world size, and the micro-steps per optimizer step.
         self.world_size, self.accumulated_gradient = None, None
@@ -344,15 +343,14 @@ class DeepspeedStrategy:
 
     def _ds_config(self, zero: dict) -> dict:
         """What the train and eval configs share, around their zero_optimization section."""
-        # Read at ZeRO 3 only: lets DeepSpeed's own engine.save_16bit_model() gather the full weights, for trainers
-        # that call it (save_model gathers them itself).
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
         return {
             "train_micro_batch_size_per_gpu": self.micro_train_batch_size,  # samples per rank per forward/backward
             # Samples per optimizer step; DeepSpeed derives the accumulation steps as this / (micro * world size).
             # An eval engine never steps, but DeepSpeed checks the batch sizes there too.
             "train_batch_size": self.train_batch_size,
-            "zero_optimization": zero,
+            # zero, and a key read at ZeRO 3 only: it lets DeepSpeed's own engine.save_16bit_model() gather the full
+            # weights, for trainers that call it (save_model gathers them itself).
+            "zero_optimization": zero | {"stage3_gather_16bit_weights_on_model_save": True},
             "bf16": {"enabled": self.bf16},  # bfloat16 weights and activations, fp32 master weights for the update
             "steps_per_print": 1 << 30,  # DeepSpeed's own periodic log, effectively off: the trainer reports progress
             "wall_clock_breakdown": False,  # no per-phase timers, which synchronise the device to read time
@@ -432,8 +430,7 @@ class DeepspeedStrategy:
         refuse_what_prepare_cannot_wrap(model)
         # OpenRLHF marks a frozen model whose weights may live in CPU memory with an `_offload` attribute.
         config = self.get_ds_eval_config(offload=getattr(model, "_offload", False))
-        engine, *_ = deepspeed.initialize(model=engine_of(model), config=config)
-        return in_actor(model, engine)
+        return in_actor(model, deepspeed.initialize(model=engine_of(model), config=config)[0])  # [0]: the engine
 
     def backward(self, loss: torch.Tensor, model, optimizer, **kwargs) -> None:
         """Backward through the engine. It divides the loss by the accumulation steps, so the summed gradients are
@@ -1983,8 +1980,7 @@ class ReshapingReader:
     buffers; the 16-bit weights, except where finish() must follow on every rank."""
 
     def __init__(self, engine, ckpt_dir: str, done: dict):
-        self.engine, self.ckpt_dir, self.done = engine, ckpt_dir, done
-        self.optimizer = training_optimizer(engine)
+        self.engine, self.ckpt_dir, self.done, self.optimizer = engine, ckpt_dir, done, training_optimizer(engine)
         self.kind = type(self.optimizer).__name__
         self.names = {id(p): name for name, p in engine.module.named_parameters()}  # each parameter's name
         self.opened = {}  # {file name: what read_file read}
